@@ -1,0 +1,78 @@
+"""EncoderBlock: self-attention and FFN, each in a residual branch, in the Pre-LN or Post-LN placement.
+
+Pre-LN:   U = X + Drop(MHA(LN1(X)))        Y = U + Drop(FFN(LN2(U)))
+Post-LN:  U = LN1(X + Drop(MHA(X)))        Y = LN2(U + Drop(FFN(U)))
+
+x, U, Y are [N, L, D]. Two distinct norm instances: attn_norm (LN1) and ffn_norm (LN2). Recorded intermediates
+(collection 'intermediates'): norm1, attn_branch, after_attn, norm2, ffn_branch, after_ffn, where
+`after_*` is the residual sum and `norm*` is that norm's output.
+"""
+
+from __future__ import annotations
+
+import chex
+import flax.linen as nn
+import jax
+
+from jaxblock import masks
+from jaxblock.attention import SelfAttention
+from jaxblock.config import BlockConfig
+from jaxblock.ffn import FeedForward
+from jaxblock.norms import make_norm
+
+
+class EncoderBlock(nn.Module):
+    """(x [N, L, D], valid_tokens bool[N, L]) -> [N, L, D]. `train=True` turns dropout on."""
+
+    config: BlockConfig
+
+    def setup(self) -> None:
+        cfg = self.config
+        # Distinct instances; named for their branch because `norm1`/`norm2` name the recorded outputs.
+        self.attn_norm = make_norm(cfg)
+        self.self_attn = SelfAttention(cfg)
+        self.ffn_norm = make_norm(cfg)
+        self.ffn = FeedForward(cfg)
+        self.attn_residual_dropout = nn.Dropout(cfg.residual_dropout)
+        self.ffn_residual_dropout = nn.Dropout(cfg.residual_dropout)
+
+    def __call__(
+        self,
+        x: jax.Array,
+        valid_tokens: jax.Array,
+        *,
+        attn_mask: jax.Array | None = None,
+        segment_ids: jax.Array | None = None,
+        positions: jax.Array | None = None,
+        train: bool = False,
+    ) -> jax.Array:
+        cfg = self.config
+        chex.assert_rank(x, 3)
+        chex.assert_axis_dimension(x, 2, cfg.model_dim)
+        masks.check_valid_tokens(valid_tokens, x.shape[:2])
+        x = x.astype(cfg.compute_dtype)
+
+        def attn(h: jax.Array) -> jax.Array:
+            a = self.self_attn(
+                h, valid_tokens, attn_mask=attn_mask, segment_ids=segment_ids,
+                positions=positions, train=train,
+            )
+            return self._record("attn_branch", self.attn_residual_dropout(a, deterministic=not train))
+
+        def ffn(h: jax.Array) -> jax.Array:
+            f = self.ffn(h, train=train)
+            return self._record("ffn_branch", self.ffn_residual_dropout(f, deterministic=not train))
+
+        if cfg.norm == "pre":
+            u = self._record("after_attn", x + attn(self._record("norm1", self.attn_norm(x))))
+            y = self._record("after_ffn", u + ffn(self._record("norm2", self.ffn_norm(u))))
+        else:
+            u = self._record("norm1", self.attn_norm(self._record("after_attn", x + attn(x))))
+            y = self._record("norm2", self.ffn_norm(self._record("after_ffn", u + ffn(u))))
+
+        chex.assert_equal_shape([x, y])
+        return y
+
+    def _record(self, name: str, value: jax.Array) -> jax.Array:
+        self.sow("intermediates", name, value)
+        return value

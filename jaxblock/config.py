@@ -1,0 +1,175 @@
+"""Typed, frozen, validated configs for the block, the stack and the encoder.
+
+Shape letters used across the library: N batch, L length, D model width, H query heads,
+G key/value heads, K head width (D / H), F FFN inner width, C classes, V vocabulary.
+
+Every config is a frozen pydantic model that rejects unknown keys. A bad value fails at
+construction with a message that names the field and says how to fix it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import jax.numpy as jnp
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+DTypeName = Literal["float32", "bfloat16", "float16"]
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True)
+
+
+class BlockConfig(_Frozen):
+    """One encoder block: self-attention and a position-wise FFN, each in a residual branch."""
+
+    model_dim: int = Field(256, gt=0, description="D: width of every token vector.")
+    num_heads: int = Field(4, gt=0, description="H: query heads; D must be divisible by H.")
+    num_kv_heads: int | None = Field(
+        None, gt=0, description="G: key/value heads (GQA/MQA); None means G = H. H must be divisible by G."
+    )
+    ffn_dim: int = Field(1024, gt=0, description="F: FFN inner width (D -> F -> D).")
+    attn_dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on attention weights.")
+    ffn_dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the FFN hidden layer [N, L, F].")
+    residual_dropout: float = Field(
+        0.0, ge=0.0, lt=1.0, description="Dropout on each residual branch's output before the add."
+    )
+    norm: Literal["pre", "post"] = Field(
+        "pre", description="'pre': x + S(LN(x)); 'post': LN(x + S(x))."
+    )
+    norm_type: Literal["layernorm", "rmsnorm"] = "layernorm"
+    norm_eps: float = Field(1e-5, gt=0.0, description="Inside the square root; 1e-5 matches PyTorch.")
+    activation: Literal["relu", "gelu", "gelu_tanh", "swiglu", "geglu"] = Field(
+        "gelu", description="'gelu' is exact (erf), as PyTorch's; 'gelu_tanh' is the approximation."
+    )
+    use_bias: bool = Field(True, description="Every bias, the norms' included (PyTorch's `bias`).")
+    causal: bool = Field(False, description="Each query sees only keys at or before it.")
+    rope: bool = Field(False, description="Rotary positions on q/k (set by EncoderConfig.positions='rope').")
+    rope_base: float = Field(10000.0, gt=1.0)
+    attention: Literal["auto", "xla", "cudnn", "unfused", "chunked"] = Field(
+        "auto",
+        description="Kernel: 'auto' picks cuDNN on NVIDIA GPUs when mask and dtype allow, XLA otherwise, "
+        "and the unfused path whenever attention-weight dropout is active.",
+    )
+    attn_chunk_size: int = Field(
+        512, gt=0, description="Key-block size of the 'chunked' memory-efficient attention."
+    )
+    fused_qkv: bool = Field(True, description="One matmul for q, k, v when G = H (params stay separate).")
+    dtype: DTypeName = Field("float32", description="Compute dtype; softmax and norm statistics stay float32.")
+    param_dtype: DTypeName = Field("float32", description="Storage dtype of parameters.")
+    init: Literal["flax", "torch"] = Field(
+        "flax", description="'torch' reproduces nn.TransformerEncoderLayer's initialization distributions."
+    )
+
+    @model_validator(mode="after")
+    def _check_shapes(self) -> BlockConfig:
+        if self.model_dim % self.num_heads:
+            raise ValueError(
+                f"model_dim={self.model_dim} is not divisible by num_heads={self.num_heads}: "
+                "pick num_heads that divides model_dim"
+            )
+        if self.kv_heads > self.num_heads or self.num_heads % self.kv_heads:
+            raise ValueError(
+                f"num_kv_heads={self.num_kv_heads} must divide num_heads={self.num_heads}: "
+                "pick a divisor of num_heads (1 for MQA) or leave it unset"
+            )
+        if self.rope and self.head_dim % 2:
+            raise ValueError(
+                f"rope needs an even head width, got model_dim/num_heads={self.head_dim}: change num_heads"
+            )
+        return self
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_kv_heads or self.num_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.model_dim // self.num_heads
+
+    @property
+    def compute_dtype(self) -> Any:
+        return _DTYPES[self.dtype]
+
+    @property
+    def params_dtype(self) -> Any:
+        return _DTYPES[self.param_dtype]
+
+    @property
+    def is_glu(self) -> bool:
+        return self.activation in ("swiglu", "geglu")
+
+
+class StackConfig(_Frozen):
+    """K blocks and the final norm: what PyTorch's nn.TransformerEncoder is."""
+
+    num_layers: int = Field(4, gt=0, description="K: number of blocks.")
+    final_norm: bool | None = Field(
+        None, description="Norm after the last block; None follows the placement (pre: yes, post: no)."
+    )
+    scan_layers: bool = Field(False, description="nn.scan over blocks: params stacked on a 'layers' axis.")
+    remat: Literal["none", "full", "dots"] = Field(
+        "none", description="Rematerialize each block: 'full' saves nothing, 'dots' saves matmul outputs."
+    )
+    block: BlockConfig = Field(default_factory=BlockConfig)
+
+    @property
+    def has_final_norm(self) -> bool:
+        return self.block.norm == "pre" if self.final_norm is None else self.final_norm
+
+
+class EncoderConfig(StackConfig):
+    """Embedding + positions + stack; `num_classes` sizes the Classifier's head."""
+
+    vocab_size: int = Field(259, gt=0, description="V: token ids lie in [0, V).")
+    max_len: int = Field(128, gt=0, description="Longest sequence the positions support.")
+    positions: Literal["sinusoidal", "learned", "rope", "none"] = Field(
+        "learned",
+        description="'sinusoidal': fixed [L, D] table (sin on even, cos on odd features) added to the "
+        "embedding; 'learned': a trained [max_len, D] table added; 'rope': rotary on q/k in every block; "
+        "'none': permutation-equivariant.",
+    )
+    embed_dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout after embedding + positions.")
+    num_classes: int = Field(2, gt=1, description="C: classes of the Classifier's head.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _rope_follows_positions(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("positions") == "rope":
+            block = data.get("block", {})
+            if isinstance(block, BlockConfig):
+                block = block.model_copy(update={"rope": True})
+            elif isinstance(block, dict):
+                block = {**block, "rope": True}
+            data = {**data, "block": block}
+        return data
+
+    @model_validator(mode="after")
+    def _check_rope(self) -> EncoderConfig:
+        if self.block.rope and self.positions != "rope":
+            raise ValueError(
+                f"block.rope=True but positions='{self.positions}': set positions='rope' instead"
+            )
+        if self.positions == "rope" and self.block.head_dim % 2:
+            raise ValueError(
+                f"positions='rope' needs an even head width, got {self.block.head_dim}: change num_heads"
+            )
+        return self
+
+
+def format_validation_error(err: Exception) -> str:
+    """One line naming the first offending field and what is wrong with it."""
+    errors = getattr(err, "errors", None)
+    if not callable(errors):
+        return str(err)
+    first = errors()[0]
+    loc = ".".join(str(p) for p in first.get("loc", ())) or "config"
+    msg = first.get("msg", "invalid value").removeprefix("Value error, ")
+    if first.get("type") == "extra_forbidden":
+        return f"unknown key '{loc}': remove it or check its spelling"
+    if "input" in first and first.get("type") != "value_error":
+        return f"{loc}: {msg} (got {first['input']!r})"
+    return f"{loc}: {msg}"

@@ -1,0 +1,73 @@
+"""Position-wise feed-forward network: D -> F -> D, the same weights at every position.
+
+Plain:  y = linear2(drop(act(linear1(x))))           act in relu | gelu (exact erf) | gelu_tanh
+GLU:    y = linear2(drop(act(gate(x)) * linear1(x)))  swiglu: act = SiLU; geglu: act = exact GELU
+
+Only the hidden activation is [N, L, F]; input and output are [N, L, D]. Each position is
+transformed independently (an einsum over D or F only, never over L).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import chex
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from jaxblock.config import BlockConfig
+from jaxblock.initializers import Weights, bias_init, kernel_init
+
+_ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
+    "relu": jax.nn.relu,
+    "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+    "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+    "swiglu": jax.nn.silu,
+    "geglu": lambda x: jax.nn.gelu(x, approximate=False),
+}
+
+
+class FeedForward(nn.Module):
+    """(x [N, L, D]) -> [N, L, D]; hidden [N, L, F] with dropout `ffn_dropout` when training."""
+
+    config: BlockConfig
+
+    def setup(self) -> None:
+        cfg = self.config
+        d, f = cfg.model_dim, cfg.ffn_dim
+
+        def up() -> Weights:
+            return Weights(
+                (d, f), kernel_init(cfg.init, d, 0, 1, ("embed", "mlp")),
+                (f,), bias_init(cfg.init, d, ("mlp",)), cfg.use_bias, cfg.params_dtype
+            )
+
+        self.linear1 = up()
+        if cfg.is_glu:
+            self.gate = up()
+        self.linear2 = Weights(
+            (f, d), kernel_init(cfg.init, f, 0, 1, ("mlp", "embed")),
+            (d,), bias_init(cfg.init, f, ("embed",)), cfg.use_bias, cfg.params_dtype,
+        )
+        self.hidden_dropout = nn.Dropout(cfg.ffn_dropout)
+
+    def __call__(self, x: jax.Array, *, train: bool = False) -> jax.Array:
+        cfg = self.config
+        chex.assert_rank(x, 3)
+        chex.assert_axis_dimension(x, 2, cfg.model_dim)
+        dt = cfg.compute_dtype
+        x = x.astype(dt)
+        act = _ACTIVATIONS[cfg.activation]
+        h = _dense(x, *self.linear1(), dt)  # [N, L, F]
+        if cfg.is_glu:
+            h = act(_dense(x, *self.gate(), dt)) * h
+        else:
+            h = act(h)
+        h = self.hidden_dropout(h, deterministic=not train)
+        return _dense(h, *self.linear2(), dt)  # [N, L, D]
+
+
+def _dense(x: jax.Array, kernel: jax.Array, bias: jax.Array | None, dt: jnp.dtype) -> jax.Array:
+    y = jnp.einsum("NLI,IO->NLO", x, kernel.astype(dt))
+    return y if bias is None else y + bias.astype(dt)[None, None, :]

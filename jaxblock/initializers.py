@@ -1,0 +1,77 @@
+"""Parameter initializers for the two `init` schemes, with logical axis names attached.
+
+'flax': LeCun-normal kernels (fan-in over the contracted axes), zero biases.
+'torch': the distributions of torch.nn.TransformerEncoderLayer: the fused q/k/v in_proj is
+Xavier-uniform over its [3D, D] matrix with zero bias; every other nn.Linear is
+kaiming-uniform(a=sqrt(5)) = U(+-1/sqrt(fan_in)) with bias U(+-1/sqrt(fan_in)), except
+the attention out_proj bias, which MultiheadAttention zeroes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+Init = Any
+
+
+def uniform(bound: float) -> Init:
+    def init(key: jax.Array, shape: Sequence[int], dtype: Any = jnp.float32) -> jax.Array:
+        return jax.random.uniform(key, shape, dtype, -bound, bound)
+
+    return init
+
+
+def kernel_init(
+    scheme: str,
+    fan_in: int,
+    in_axis: int | Sequence[int],
+    out_axis: int | Sequence[int],
+    axes: tuple[str | None, ...],
+    torch_bound: float | None = None,
+) -> Init:
+    """A kernel initializer for `scheme`, boxed with logical `axes`.
+
+    torch_bound overrides PyTorch's default U(+-1/sqrt(fan_in)) (used for the Xavier in_proj).
+    """
+    if scheme == "torch":
+        init = uniform(torch_bound if torch_bound is not None else 1.0 / math.sqrt(fan_in))
+    else:
+        init = nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal", in_axis, out_axis)
+    return nn.with_logical_partitioning(init, axes)
+
+
+def bias_init(scheme: str, fan_in: int, axes: tuple[str | None, ...], zero: bool = False) -> Init:
+    if scheme == "torch" and not zero:
+        init = uniform(1.0 / math.sqrt(fan_in))
+    else:
+        init = nn.initializers.zeros_init()
+    return nn.with_logical_partitioning(init, axes)
+
+
+class Weights(nn.Module):
+    """Declares one projection's `kernel` (and `bias`) and returns them; the caller does the einsum.
+
+    Keeping the arithmetic in the caller lets attention concatenate q/k/v kernels at call time
+    (one fused matmul) while the parameter tree keeps them separate.
+    """
+
+    kernel_shape: tuple[int, ...]
+    kernel_init: Init
+    bias_shape: tuple[int, ...]
+    bias_init: Init
+    use_bias: bool
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self) -> tuple[jax.Array, jax.Array | None]:
+        kernel = self.param("kernel", self.kernel_init, self.kernel_shape, self.param_dtype)
+        bias = (
+            self.param("bias", self.bias_init, self.bias_shape, self.param_dtype) if self.use_bias else None
+        )
+        return kernel, bias

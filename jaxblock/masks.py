@@ -1,0 +1,129 @@
+"""The one mask convention, and its converters.
+
+Inside the library every mask says True = "may attend" / "is real":
+
+- `valid_tokens: bool[N, L]`: True at real tokens; real tokens first, padding at the end of a row.
+- `causal` (config): query i sees keys j <= i.
+- `attn_mask: bool[L, L] | bool[N, L, L]`: True where query (row) may attend to key (column).
+- `segment_ids: int[N, L]`: packed rows; a query sees only keys of its own segment.
+
+PyTorch's masks (True = ignore, or additive float) are converted here and only here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def check_valid_tokens(valid_tokens: jax.Array, batch_shape: tuple[int, ...]) -> None:
+    """Trace-time check: valid_tokens must be bool[N, L] matching x's leading axes."""
+    if valid_tokens.dtype != jnp.bool_:
+        raise TypeError(
+            f"valid_tokens must be bool (True = real token), got {valid_tokens.dtype}: "
+            "pass `tokens != pad_id` or `.astype(bool)`"
+        )
+    if tuple(valid_tokens.shape) != tuple(batch_shape):
+        raise ValueError(
+            f"valid_tokens has shape {tuple(valid_tokens.shape)} but x is {tuple(batch_shape)} + [D]: "
+            "pass one bool per token, shape [N, L]"
+        )
+
+
+def attention_mask(
+    valid_tokens: jax.Array,
+    *,
+    causal: bool = False,
+    attn_mask: jax.Array | None = None,
+    segment_ids: jax.Array | None = None,
+) -> jax.Array:
+    """Combine every mask into bool[N, 1, L, L] (query rows, key columns), True = may attend."""
+    n, length = valid_tokens.shape
+    mask = jnp.broadcast_to(valid_tokens[:, None, None, :], (n, 1, length, length))
+    if causal:
+        mask = mask & jnp.tril(jnp.ones((length, length), jnp.bool_))[None, None]
+    if attn_mask is not None:
+        if attn_mask.dtype != jnp.bool_:
+            raise TypeError(
+                f"attn_mask must be bool (True = may attend), got {attn_mask.dtype}: "
+                "convert additive float masks with masks.from_torch_attn_mask"
+            )
+        if attn_mask.ndim == 2:
+            chex.assert_shape(attn_mask, (length, length))
+            mask = mask & attn_mask[None, None]
+        else:
+            chex.assert_shape(attn_mask, (n, length, length))
+            mask = mask & attn_mask[:, None]
+    if segment_ids is not None:
+        chex.assert_shape(segment_ids, (n, length))
+        mask = mask & (segment_ids[:, None, :, None] == segment_ids[:, None, None, :])
+    return mask
+
+
+def lengths_to_valid_tokens(lengths: Any, length: int) -> jax.Array:
+    """int[N] real-token counts -> bool[N, L] (real tokens first)."""
+    return jnp.arange(length)[None, :] < jnp.asarray(lengths)[:, None]  # [N, L]
+
+
+def valid_tokens_to_lengths(valid_tokens: jax.Array) -> jax.Array:
+    return jnp.sum(valid_tokens, axis=-1, dtype=jnp.int32)
+
+
+def is_left_aligned(valid_tokens: Any) -> bool:
+    """True when every row has its real tokens first and padding only at the end (host-side check)."""
+    v = np.asarray(valid_tokens, bool)
+    return bool(np.all(v[:, :-1] | ~v[:, 1:]))
+
+
+def segment_positions(segment_ids: jax.Array) -> jax.Array:
+    """int[N, L] position of each token within its own segment (restarts at 0 per segment)."""
+    n, length = segment_ids.shape
+    idx = jnp.broadcast_to(jnp.arange(length), (n, length))
+    starts = jnp.concatenate(
+        [jnp.ones((n, 1), jnp.bool_), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1
+    )
+    start_idx = jax.lax.cummax(jnp.where(starts, idx, 0), axis=1)
+    return idx - start_idx
+
+
+# --- PyTorch boundary -------------------------------------------------------------------------
+
+
+def from_torch_key_padding_mask(key_padding_mask: Any) -> np.ndarray:
+    """PyTorch key_padding_mask (bool True = ignore, or additive float -inf = ignore) -> valid_tokens."""
+    m = np.asarray(key_padding_mask)
+    if m.dtype == np.bool_:
+        return ~m
+    return _additive_to_bool(m, "key_padding_mask")
+
+
+def to_torch_key_padding_mask(valid_tokens: Any) -> np.ndarray:
+    """valid_tokens (True = real) -> PyTorch key_padding_mask (True = ignore)."""
+    return ~np.asarray(valid_tokens, bool)
+
+
+def from_torch_attn_mask(src_mask: Any) -> np.ndarray:
+    """PyTorch src_mask [L, L] or [N*H, L, L] (bool True = ignore, or additive float) -> True = attend."""
+    m = np.asarray(src_mask)
+    if m.dtype == np.bool_:
+        return ~m
+    return _additive_to_bool(m, "src_mask")
+
+
+def to_torch_attn_mask(attn_mask: Any) -> np.ndarray:
+    """attn_mask (True = may attend) -> PyTorch boolean src_mask (True = ignore)."""
+    return ~np.asarray(attn_mask, bool)
+
+
+def _additive_to_bool(m: np.ndarray, name: str) -> np.ndarray:
+    blocked = np.isneginf(m)
+    if not np.all(blocked | (m == 0)):
+        raise ValueError(
+            f"{name} has additive values other than 0 and -inf: only masking is supported, "
+            "pass a boolean mask or move the bias into the model"
+        )
+    return ~blocked

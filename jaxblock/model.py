@@ -1,0 +1,216 @@
+"""EncoderStack (K blocks + final norm), Encoder (embedding + positions + stack), pooling, Classifier.
+
+Parameter tree (unrolled): stack/layers_0 ... layers_{K-1}/{attn_norm, self_attn/{query,key,value,out},
+ffn_norm, ffn/{linear1, [gate,] linear2}}, stack/final_norm. With `scan_layers` the blocks live under
+stack/layers with a leading [K] axis (logical name 'layers'); `stack_layer_params` and
+`unstack_layer_params` convert between the two trees.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import chex
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from jaxblock import masks
+from jaxblock.block import EncoderBlock
+from jaxblock.config import EncoderConfig, StackConfig
+from jaxblock.norms import make_norm
+from jaxblock.positions import sinusoidal_table
+
+_REMAT_POLICIES = {
+    "full": None,  # save nothing: recompute the whole block in the backward pass
+    "dots": jax.checkpoint_policies.dots_saveable,
+}
+
+
+class _Layer(EncoderBlock):
+    """EncoderBlock with positional-only arguments, as nn.scan and nn.remat require."""
+
+    train: bool = False
+    scanned: bool = False
+
+    def __call__(  # type: ignore[override]
+        self, x: jax.Array, valid_tokens: jax.Array, attn_mask: Any, segment_ids: Any, positions: Any
+    ) -> Any:
+        y = super().__call__(
+            x, valid_tokens, attn_mask=attn_mask, segment_ids=segment_ids, positions=positions,
+            train=self.train,
+        )
+        return (y, None) if self.scanned else y
+
+
+class EncoderStack(nn.Module):
+    """(x [N, L, D], valid_tokens bool[N, L]) -> [N, L, D]: K blocks, then the final norm if any."""
+
+    config: StackConfig
+
+    @nn.compact
+    def __call__(
+        self,
+        x: jax.Array,
+        valid_tokens: jax.Array,
+        *,
+        attn_mask: jax.Array | None = None,
+        segment_ids: jax.Array | None = None,
+        positions: jax.Array | None = None,
+        train: bool = False,
+    ) -> jax.Array:
+        cfg = self.config
+        chex.assert_rank(x, 3)
+        masks.check_valid_tokens(valid_tokens, x.shape[:2])
+        layer: Any = _Layer
+        if cfg.remat != "none":
+            layer = nn.remat(layer, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=not cfg.scan_layers)
+        args = (valid_tokens, attn_mask, segment_ids, positions)
+        if cfg.scan_layers:
+            scanned = nn.scan(
+                layer,
+                variable_axes={"params": 0, "intermediates": 0},
+                split_rngs={"params": True, "dropout": True},
+                in_axes=(nn.broadcast,) * 4,
+                length=cfg.num_layers,
+                metadata_params={nn.PARTITION_NAME: "layers"},
+            )
+            x, _ = scanned(cfg.block, train=train, scanned=True, name="layers")(x, *args)
+        else:
+            for i in range(cfg.num_layers):
+                x = layer(cfg.block, train=train, name=f"layers_{i}")(x, *args)
+        if cfg.has_final_norm:
+            x = make_norm(cfg.block, "final_norm")(x)
+        return x
+
+
+class Encoder(nn.Module):
+    """(tokens int[N, L], valid_tokens bool[N, L]) -> [N, L, D]: embedding + positions + stack."""
+
+    config: EncoderConfig
+
+    @nn.compact
+    def __call__(
+        self,
+        tokens: jax.Array,
+        valid_tokens: jax.Array,
+        *,
+        segment_ids: jax.Array | None = None,
+        attn_mask: jax.Array | None = None,
+        train: bool = False,
+    ) -> jax.Array:
+        cfg = self.config
+        blk = cfg.block
+        chex.assert_rank(tokens, 2)
+        masks.check_valid_tokens(valid_tokens, tokens.shape)
+        n, length = tokens.shape
+        if length > cfg.max_len:
+            raise ValueError(
+                f"sequence length {length} exceeds max_len={cfg.max_len}: truncate inputs or raise model.max_len"
+            )
+        embed = self.param(
+            "embedding",
+            nn.with_logical_partitioning(nn.initializers.normal(1.0), ("vocab", "embed")),
+            (cfg.vocab_size, blk.model_dim), blk.params_dtype,
+        )
+        x = jnp.take(embed, tokens, axis=0).astype(jnp.float32)  # [N, L, D]
+        if segment_ids is not None:
+            positions = masks.segment_positions(segment_ids)
+        else:
+            positions = jnp.broadcast_to(jnp.arange(length), (n, length))
+        if cfg.positions == "sinusoidal":
+            x = x + sinusoidal_table(cfg.max_len, blk.model_dim)[positions]
+        elif cfg.positions == "learned":
+            table = self.param(
+                "pos_embedding",
+                nn.with_logical_partitioning(nn.initializers.normal(0.02), (None, "embed")),
+                (cfg.max_len, blk.model_dim), blk.params_dtype,
+            )
+            x = x + table.astype(jnp.float32)[positions]
+        x = nn.Dropout(cfg.embed_dropout)(x, deterministic=not train).astype(blk.compute_dtype)
+        return EncoderStack(cfg, name="stack")(
+            x, valid_tokens, attn_mask=attn_mask, segment_ids=segment_ids,
+            positions=positions if blk.rope else None, train=train,
+        )
+
+
+def masked_mean(x: jax.Array, valid_tokens: jax.Array) -> jax.Array:
+    """[N, L, D] -> float32[N, D]: mean over real tokens only (a row with none gives 0)."""
+    masks.check_valid_tokens(valid_tokens, x.shape[:2])
+    w = valid_tokens.astype(jnp.float32)[..., None]  # [N, L, 1]
+    total = jnp.sum(x.astype(jnp.float32) * w, axis=1)
+    return total / jnp.maximum(jnp.sum(w, axis=1), 1.0)
+
+
+def segment_mean(x: jax.Array, valid_tokens: jax.Array, segment_ids: jax.Array, num_segments: int) -> jax.Array:
+    """Packed rows: [N, L, D] -> float32[N, S, D], mean of each segment's real tokens (ids 0..S-1)."""
+    onehot = (segment_ids[..., None] == jnp.arange(num_segments)) & valid_tokens[..., None]  # [N, L, S]
+    w = onehot.astype(jnp.float32)
+    total = jnp.einsum("NLS,NLD->NSD", w, x.astype(jnp.float32))
+    return total / jnp.maximum(jnp.sum(w, axis=1), 1.0)[..., None]
+
+
+class Classifier(nn.Module):
+    """(tokens, valid_tokens, train=False) -> float32 logits [N, C] via masked-mean pooling.
+
+    Packed rows: pass segment_ids (ids 0..S-1 per row) and num_segments=S to get [N, S, C].
+    """
+
+    config: EncoderConfig
+
+    @nn.compact
+    def __call__(
+        self,
+        tokens: jax.Array,
+        valid_tokens: jax.Array,
+        *,
+        segment_ids: jax.Array | None = None,
+        num_segments: int | None = None,
+        train: bool = False,
+    ) -> jax.Array:
+        cfg = self.config
+        h = Encoder(cfg, name="encoder")(tokens, valid_tokens, segment_ids=segment_ids, train=train)
+        if segment_ids is not None and num_segments is not None:
+            pooled = segment_mean(h, valid_tokens, segment_ids, num_segments)  # [N, S, D]
+        else:
+            pooled = masked_mean(h, valid_tokens)  # [N, D]
+        head = nn.Dense(
+            cfg.num_classes,
+            kernel_init=nn.with_logical_partitioning(nn.initializers.lecun_normal(), ("embed", None)),
+            bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(), (None,)),
+            param_dtype=cfg.block.params_dtype,
+            dtype=jnp.float32,
+            name="head",
+        )
+        logits = head(pooled)
+        chex.assert_type(logits, jnp.float32)
+        return logits
+
+
+# --- stacked <-> per-layer parameter trees -----------------------------------------------------
+
+
+def stack_layer_params(tree: Any) -> Any:
+    """Per-layer tree (layers_0..layers_{K-1}) -> scanned tree (layers with a leading [K] axis).
+
+    Works on any (unboxed) variables dict; every dict holding layers_i keys is converted.
+    """
+    if not isinstance(tree, dict):
+        return tree
+    keys = sorted((k for k in tree if k.startswith("layers_")), key=lambda k: int(k.split("_")[1]))
+    out = {k: stack_layer_params(v) for k, v in tree.items() if k not in keys}
+    if keys:
+        out["layers"] = jax.tree.map(lambda *xs: jnp.stack(xs), *[tree[k] for k in keys])
+    return out
+
+
+def unstack_layer_params(tree: Any) -> Any:
+    """Scanned tree (layers with a leading [K] axis) -> per-layer tree (layers_0..layers_{K-1})."""
+    if not isinstance(tree, dict):
+        return tree
+    out = {k: unstack_layer_params(v) for k, v in tree.items() if k != "layers"}
+    if "layers" in tree:
+        num = jax.tree.leaves(tree["layers"])[0].shape[0]
+        for i in range(num):
+            out[f"layers_{i}"] = jax.tree.map(lambda x, i=i: x[i], tree["layers"])
+    return out

@@ -1,0 +1,210 @@
+"""The one schema that owns every key of an experiment config (YAML + dotted overrides).
+
+Sections: model (jaxblock.EncoderConfig), data, optim, train, checkpoint, parallel, diagnostics.
+Unknown keys and bad values are one-line errors naming the key (see `load_config`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from jaxblock.config import EncoderConfig, format_validation_error
+
+
+class ConfigError(ValueError):
+    """A bad config: the message is one line naming the key and the fix."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True)
+
+
+class DataConfig(_Section):
+    source: Literal["rotten_tomatoes", "tweets", "amazon", "nyt", "file", "synthetic"] = Field(
+        "synthetic",
+        description="rotten_tomatoes/tweets/amazon/nyt: the vaderSentiment 3.3.2 ground-truth sets (fetched "
+        "through pip once, cached, checksummed); file: `path`; synthetic: generated, no download.",
+    )
+    path: str | None = Field(None, description="CSV/TSV/JSONL file for source=file.")
+    format: Literal["auto", "csv", "tsv", "jsonl"] = Field("auto", description="auto: from the file suffix.")
+    text_column: str = "text"
+    label_column: str = "label"
+    labels: list[str] | None = Field(
+        None, description="Known classes in order; None: the sorted distinct labels of the file."
+    )
+    synthetic_task: Literal["majority", "pair_match"] = Field(
+        "pair_match",
+        description="majority: is token A more frequent than B; pair_match: does the first token reappear "
+        "later in the row. Both need attention: a bag-of-tokens model stays at chance on pair_match.",
+    )
+    synthetic_size: int = Field(6000, gt=0, description="Examples generated for a synthetic task.")
+    synthetic_vocab: int = Field(32, ge=4)
+    synthetic_len: int = Field(32, ge=4)
+    tokenizer: Literal["byte", "bpe"] = Field("byte", description="byte: UTF-8 bytes; bpe: trained on train.")
+    bpe_vocab_size: int = Field(4000, ge=300)
+    max_len: int = Field(128, gt=0, description="Tokens kept per example; longer ones are truncated (counted).")
+    buckets: list[int] = Field(
+        default_factory=lambda: [32, 64, 128], description="Padded lengths; a batch pads to the smallest fitting."
+    )
+    split: tuple[float, float, float] = Field((0.8, 0.1, 0.1), description="train/validation/test fractions.")
+    split_seed: int = 0
+    cache_dir: str | None = Field(None, description="Download cache; default ~/.cache/jaxblock.")
+    packing: bool = Field(False, description="Pack several examples per row with segment_ids.")
+
+    @model_validator(mode="after")
+    def _check(self) -> DataConfig:
+        if self.source == "file" and not self.path:
+            raise ValueError("source=file needs data.path: set data.path=/path/to/file.csv")
+        if abs(sum(self.split) - 1.0) > 1e-6 or min(self.split) <= 0:
+            raise ValueError(f"split {self.split} must be three positive fractions summing to 1")
+        if sorted(self.buckets) != list(self.buckets) or not self.buckets:
+            raise ValueError(f"buckets {self.buckets} must be a non-empty increasing list")
+        return self
+
+
+class OptimConfig(_Section):
+    optimizer: Literal["adamw", "sgd"] = "adamw"
+    lr: float = Field(1e-3, gt=0, description="Peak learning rate.")
+    schedule: Literal["cosine", "linear", "constant"] = Field("cosine", description="Decay after warmup.")
+    warmup_steps: int = Field(100, ge=0, description="Linear warmup from 0 to lr.")
+    end_lr_ratio: float = Field(0.0, ge=0, le=1, description="Final lr as a fraction of the peak.")
+    weight_decay: float = Field(0.01, ge=0, description="Decoupled (AdamW); never on norms and biases.")
+    decay_embeddings: bool = Field(False, description="Apply weight decay to embedding tables too.")
+    b1: float = Field(0.9, ge=0, lt=1)
+    b2: float = Field(0.999, ge=0, lt=1)
+    eps: float = Field(1e-8, gt=0)
+    momentum: float = Field(0.0, ge=0, lt=1, description="SGD momentum.")
+    clip_norm: float | None = Field(1.0, gt=0, description="Global-norm gradient clipping; null disables.")
+    grad_accum: int = Field(1, ge=1, description="Micro-batches per update (optax.MultiSteps).")
+
+
+class TrainConfig(_Section):
+    seed: int = 0
+    batch_size: int = Field(32, gt=0, description="Global batch (all devices, all hosts).")
+    steps: int = Field(1000, gt=0)
+    eval_every: int = Field(200, gt=0, description="Validation every N steps (and at the end).")
+    log_every: int = Field(10, gt=0)
+    nonfinite: Literal["skip", "halt"] = Field(
+        "skip", description="skip: drop a non-finite update; halt: stop at the first one."
+    )
+    max_nonfinite: int = Field(3, ge=1, description="Consecutive skipped steps before halting anyway.")
+    progress: bool = Field(True, description="Progress bar on stderr.")
+    sync_every: int = Field(
+        8, gt=0, description="Block on results every N steps (bounds the queue of dispatched collectives)."
+    )
+    diagnostics_every: int = Field(0, ge=0, description="Per-layer residual ratios/grad norms every N steps.")
+
+
+class CheckpointConfig(_Section):
+    every: int = Field(200, gt=0, description="Save every N steps (and at the end).")
+    max_to_keep: int = Field(3, ge=1)
+    keep_best: bool = Field(False, description="Keep the best checkpoints by `best_metric` instead of newest.")
+    best_metric: str = "val_accuracy"
+    best_mode: Literal["max", "min"] = "max"
+    async_save: bool = True
+
+
+class ParallelConfig(_Section):
+    strategy: Literal["single", "pmap", "sharded"] = Field(
+        "sharded", description="sharded: jax.jit over a Mesh (default); pmap: replicated data parallel."
+    )
+    mesh: dict[str, int] = Field(
+        default_factory=lambda: {"data": -1, "fsdp": 1, "tensor": 1},
+        description="Mesh axis sizes; -1 takes the remaining devices.",
+    )
+    rules: list[tuple[str, str | None]] = Field(
+        default_factory=lambda: [
+            ("batch", "data"), ("vocab", "tensor"), ("embed", "fsdp"), ("heads", "tensor"),
+            ("kv_heads", "tensor"), ("mlp", "tensor"), ("head_dim", None), ("layers", None),
+        ],
+        description="Logical axis -> mesh axis.",
+    )
+    coordinator: str | None = Field(None, description="host:port for jax.distributed; None: auto-detect.")
+    num_processes: int | None = None
+    process_id: int | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> ParallelConfig:
+        unknown = set(self.mesh) - {"data", "fsdp", "tensor"}
+        if unknown:
+            raise ValueError(f"mesh has unknown axes {sorted(unknown)}: use data, fsdp, tensor")
+        return self
+
+
+class DiagnosticsConfig(_Section):
+    residual_ratio_limit: float = Field(10.0, gt=0, description="A layer ratio above this fails `diagnose`.")
+
+
+class Config(_Section):
+    model: EncoderConfig = Field(default_factory=EncoderConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    diagnostics: DiagnosticsConfig = Field(default_factory=DiagnosticsConfig)
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    if "=" not in item:
+        raise ConfigError(f"override '{item}' is not key=value: write e.g. optim.lr=3e-4")
+    key, raw = item.split("=", 1)
+    return key.split("."), yaml.safe_load(raw) if raw else raw
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    for item in overrides:
+        path, value = parse_override(item)
+        node = data
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override '{item}': '{part}' is not a section")
+        node[path[-1]] = value
+    return data
+
+
+def config_from_dict(data: dict[str, Any]) -> Config:
+    try:
+        return Config.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(f"config: {format_validation_error(err)}") from None
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:
+    """Read YAML, apply dotted overrides, validate. Raises ConfigError (one line) on any problem."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {p} not found: pass an existing --config (see configs/)")
+        try:
+            loaded = yaml.safe_load(p.read_text())
+        except yaml.YAMLError as err:
+            raise ConfigError(f"config file {p} is not valid YAML ({err.__class__.__name__}): fix its syntax") from None
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"config file {p} must be a mapping of sections (model:, data:, ...)")
+        data = loaded or {}
+    return config_from_dict(apply_overrides(data, overrides or []))
+
+
+def schema_table() -> str:
+    """Markdown table of every key with its default and description (for the README)."""
+    rows = ["| key | default | description |", "| --- | --- | --- |"]
+
+    def walk(model: type[BaseModel], prefix: str) -> None:
+        for name, field in model.model_fields.items():
+            ann = field.annotation
+            if isinstance(ann, type) and issubclass(ann, BaseModel):
+                walk(ann, f"{prefix}{name}.")
+                continue
+            default = field.get_default(call_default_factory=True)
+            desc = (field.description or "").replace("|", "\\|")
+            rows.append(f"| `{prefix}{name}` | `{default!r}` | {desc} |")
+
+    walk(Config, "")
+    return "\n".join(rows)

@@ -1,0 +1,90 @@
+"""TrainState and the optimizer it carries (Optax chain: clipping, AdamW/SGD, schedule, accumulation)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+from flax import struct
+from flax.training import train_state
+
+from train.config import OptimConfig
+
+
+class TrainState(train_state.TrainState):
+    """Flax TrainState plus the learning-rate schedule (for the `lr` metric).
+
+    The update is wrapped in optax.apply_if_finite: a non-finite gradient leaves params and
+    optimizer state untouched, and `opt_state.notfinite_count` counts consecutive skips.
+    """
+
+    lr_schedule: Callable[[Any], Any] = struct.field(pytree_node=False)
+
+
+def make_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
+    warm = min(cfg.warmup_steps, max(total_steps - 1, 0))
+    decay = max(total_steps - warm, 1)
+    end = cfg.lr * cfg.end_lr_ratio
+    if cfg.schedule == "cosine":
+        after = optax.cosine_decay_schedule(cfg.lr, decay, alpha=cfg.end_lr_ratio)
+    elif cfg.schedule == "linear":
+        after = optax.linear_schedule(cfg.lr, end, decay)
+    else:
+        after = optax.constant_schedule(cfg.lr)
+    if warm == 0:
+        return after
+    return optax.join_schedules([optax.linear_schedule(0.0, cfg.lr, warm), after], [warm])
+
+
+def decay_mask(params: Any, decay_embeddings: bool) -> Any:
+    """True for leaves that take weight decay: matrices, not norms/biases (nor embeddings unless asked)."""
+
+    def rule(path: tuple[Any, ...], leaf: Any) -> bool:
+        name = str(getattr(path[-1], "key", path[-1]))
+        if name in ("embedding", "pos_embedding"):
+            return decay_embeddings
+        return name == "kernel"
+
+    return jax.tree_util.tree_map_with_path(rule, params)
+
+
+def make_optimizer(cfg: OptimConfig, total_steps: int, max_nonfinite: int = 3) -> tuple[Any, optax.Schedule]:
+    schedule = make_schedule(cfg, total_steps)
+    parts: list[optax.GradientTransformation] = []
+    if cfg.clip_norm is not None:
+        parts.append(optax.clip_by_global_norm(cfg.clip_norm))
+    if cfg.optimizer == "adamw":
+        parts.append(
+            optax.adamw(
+                schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay,
+                mask=lambda p: decay_mask(p, cfg.decay_embeddings),
+            )
+        )
+    else:
+        parts.append(optax.sgd(schedule, momentum=cfg.momentum or None))
+    tx: Any = optax.chain(*parts)
+    if cfg.grad_accum > 1:
+        tx = optax.MultiSteps(tx, every_k_schedule=cfg.grad_accum)
+    # The loop halts after `max_nonfinite` consecutive skips; the bound here only keeps optax from
+    # ever applying a non-finite update on its own.
+    tx = optax.apply_if_finite(tx, max_consecutive_errors=max(max_nonfinite, 1) + 10**6)
+    return tx, schedule
+
+
+def create_state(
+    model: nn.Module, params: Any, optim: OptimConfig, total_steps: int, max_nonfinite: int = 3
+) -> TrainState:
+    tx, schedule = make_optimizer(optim, total_steps, max_nonfinite)
+    return TrainState.create(apply_fn=model.apply, params=params, tx=tx, lr_schedule=schedule)
+
+
+def init_params(model: nn.Module, seed: int, batch_len: int) -> Any:
+    """Unboxed float params from a dummy [1, L] batch (logical axis metadata stripped)."""
+    tokens = jnp.zeros((1, batch_len), jnp.int32)
+    valid = jnp.ones((1, batch_len), jnp.bool_)
+    variables = model.init(jax.random.key(seed), tokens, valid)
+    return nn.unbox(variables["params"])

@@ -1,0 +1,88 @@
+"""The pure train and eval steps: (state, batch, rng) -> (state, metrics).
+
+Batch keys (DESIGN.md): tokens int32[N, L], valid_tokens bool[N, L], labels int32[N] (a label < 0
+marks a padding example that counts nowhere), optional segment_ids int32[N, L].
+Compiled in one place (train/parallel.py). With `axis_name` (pmap) gradients and metrics are
+averaged over that axis; that `pmean` is the only collective in the code base.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import chex
+import jax
+import jax.numpy as jnp
+import optax
+
+from train.state import TrainState
+
+Batch = dict[str, jax.Array]
+Metrics = dict[str, jax.Array]
+
+
+def check_batch(batch: Batch) -> None:
+    chex.assert_rank([batch["tokens"], batch["valid_tokens"], batch["labels"]], [2, 2, 1])
+    chex.assert_type([batch["tokens"], batch["valid_tokens"], batch["labels"]], [jnp.int32, jnp.bool_, jnp.int32])
+    chex.assert_equal_shape([batch["tokens"], batch["valid_tokens"]])
+    chex.assert_equal_shape_prefix([batch["tokens"], batch["labels"]], 1)
+
+
+def classification_loss(logits: jax.Array, labels: jax.Array) -> tuple[jax.Array, Metrics]:
+    """Mean cross-entropy over real examples (label >= 0), and the sums needed to average across shards."""
+    chex.assert_rank(logits, 2)
+    real = labels >= 0
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.maximum(labels, 0))
+    count = jnp.sum(real)
+    loss_sum = jnp.sum(jnp.where(real, losses, 0.0))
+    correct = jnp.sum(jnp.where(real, jnp.argmax(logits, -1) == labels, False))
+    loss = loss_sum / jnp.maximum(count, 1)
+    return loss, {"loss_sum": loss_sum, "correct": correct, "count": count}
+
+
+def _forward(params: Any, state: TrainState, batch: Batch, train: bool, rng: jax.Array | None) -> jax.Array:
+    return state.apply_fn(
+        {"params": params}, batch["tokens"], batch["valid_tokens"], train=train,
+        rngs={"dropout": rng} if rng is not None else None,
+    )
+
+
+def train_step(
+    state: TrainState, batch: Batch, rng: jax.Array, axis_name: str | None = None
+) -> tuple[TrainState, Metrics]:
+    """One optimizer update. rng is this step's dropout key (fold the step into a run key)."""
+    check_batch(batch)
+
+    def loss_fn(params: Any) -> tuple[jax.Array, Metrics]:
+        return classification_loss(_forward(params, state, batch, True, rng), batch["labels"])
+
+    (loss, sums), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+    if axis_name is not None:
+        grads = jax.lax.pmean(grads, axis_name)
+        loss = jax.lax.pmean(loss, axis_name)
+        sums = jax.lax.psum(sums, axis_name)
+    grad_norm = optax.global_norm(grads)
+    new_state = state.apply_gradients(grads=grads)
+    metrics = {
+        "loss": loss,
+        "accuracy": sums["correct"] / jnp.maximum(sums["count"], 1),
+        "grad_norm": grad_norm,
+        "lr": jnp.asarray(state.lr_schedule(state.step), jnp.float32),
+        "finite": jnp.isfinite(loss) & jnp.isfinite(grad_norm),
+        "nonfinite_consecutive": new_state.opt_state.notfinite_count,
+        "nonfinite_total": new_state.opt_state.total_notfinite,
+        "tokens": jnp.sum(batch["valid_tokens"], dtype=jnp.int32),
+    }
+    if axis_name is not None:
+        metrics["tokens"] = jax.lax.psum(metrics["tokens"], axis_name)
+    return new_state, metrics
+
+
+def eval_step(state: TrainState, batch: Batch, axis_name: str | None = None) -> Metrics:
+    """Inference mode: train=False (no dropout) and no gradients. Returns sums to aggregate a split."""
+    check_batch(batch)
+    logits = _forward(state.params, state, batch, False, None)
+    _, sums = classification_loss(logits, batch["labels"])
+    if axis_name is not None:
+        sums = jax.lax.psum(sums, axis_name)
+    return sums
