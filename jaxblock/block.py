@@ -13,6 +13,7 @@ from __future__ import annotations
 import chex
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 
 from jaxblock import masks
 from jaxblock.attention import SelfAttention
@@ -30,9 +31,11 @@ class EncoderBlock(nn.Module):
         cfg = self.config
         # Distinct instances; named for their branch because `norm1`/`norm2` name the recorded outputs.
         self.attn_norm = make_norm(cfg)
-        self.self_attn = SelfAttention(cfg)
+        if cfg.ablate != "attention":
+            self.self_attn = SelfAttention(cfg)
         self.ffn_norm = make_norm(cfg)
-        self.ffn = FeedForward(cfg)
+        if cfg.ablate != "ffn":
+            self.ffn = FeedForward(cfg)
         self.attn_residual_dropout = nn.Dropout(cfg.residual_dropout)
         self.ffn_residual_dropout = nn.Dropout(cfg.residual_dropout)
 
@@ -53,6 +56,8 @@ class EncoderBlock(nn.Module):
         x = x.astype(cfg.compute_dtype)
 
         def attn(h: jax.Array) -> jax.Array:
+            if cfg.ablate == "attention":
+                return self._record("attn_branch", jnp.zeros_like(h))
             a = self.self_attn(
                 h, valid_tokens, attn_mask=attn_mask, segment_ids=segment_ids,
                 positions=positions, train=train,
@@ -60,6 +65,8 @@ class EncoderBlock(nn.Module):
             return self._record("attn_branch", self.attn_residual_dropout(a, deterministic=not train))
 
         def ffn(h: jax.Array) -> jax.Array:
+            if cfg.ablate == "ffn":
+                return self._record("ffn_branch", jnp.zeros_like(h))
             f = self.ffn(h, train=train)
             return self._record("ffn_branch", self.ffn_residual_dropout(f, deterministic=not train))
 

@@ -57,6 +57,11 @@ class BlockConfig(_Frozen):
     attn_chunk_size: int = Field(
         512, gt=0, description="Key-block size of the 'chunked' memory-efficient attention."
     )
+    ablate: Literal["none", "attention", "ffn"] = Field(
+        "none",
+        description="Remove one residual branch entirely (ablation baselines): 'attention' leaves a "
+        "bag-of-tokens model in which no token sees another.",
+    )
     fused_qkv: bool = Field(True, description="One matmul for q, k, v when G = H (params stay separate).")
     dtype: DTypeName = Field("float32", description="Compute dtype; softmax and norm statistics stay float32.")
     param_dtype: DTypeName = Field("float32", description="Storage dtype of parameters.")
