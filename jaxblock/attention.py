@@ -155,10 +155,10 @@ class SelfAttention(nn.Module):
         if cfg.fused_qkv and g == h:
             w = jnp.concatenate([qk, kk, vk], axis=1).astype(dt)  # [D, 3H, K]
             qkv = jnp.einsum("NLD,DHK->NLHK", x, w)  # [N, L, 3H, K]
-            if qb is not None:
+            if qb is not None and kb is not None and vb is not None:
                 qkv = qkv + jnp.concatenate([qb, kb, vb], axis=0).astype(dt)[None, None]
             return qkv[:, :, :h], qkv[:, :, h : 2 * h], qkv[:, :, 2 * h :]
-        outs = []
+        outs: list[jax.Array] = []
         for kern, b in ((qk, qb), (kk, kb), (vk, vb)):
             y = jnp.einsum("NLD,DHK->NLHK", x, kern.astype(dt))
             outs.append(y if b is None else y + b.astype(dt)[None, None])
@@ -166,7 +166,6 @@ class SelfAttention(nn.Module):
 
     def _unfused(self, q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, train: bool) -> jax.Array:
         """Explicit softmax; records the weights and applies attention-weight dropout."""
-        cfg = self.config
         n, length, h, kdim = q.shape
         g = k.shape[2]
         qg = q.reshape(n, length, g, h // g, kdim)  # [N, L, G, R, K]

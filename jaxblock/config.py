@@ -119,7 +119,7 @@ class StackConfig(_Frozen):
     remat: Literal["none", "full", "dots"] = Field(
         "none", description="Rematerialize each block: 'full' saves nothing, 'dots' saves matmul outputs."
     )
-    block: BlockConfig = Field(default_factory=BlockConfig)
+    block: BlockConfig = Field(default_factory=lambda: BlockConfig())
 
     @property
     def has_final_norm(self) -> bool:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import flax.linen as nn
 import jax
@@ -54,6 +54,11 @@ def bias_init(scheme: str, fan_in: int, axes: tuple[str | None, ...], zero: bool
     return nn.with_logical_partitioning(init, axes)
 
 
+def param(module: nn.Module, name: str, init: Init, shape: tuple[int, ...], dtype: Any) -> jax.Array:
+    """module.param with a boxed (logically partitioned) init, typed as the plain array apply sees."""
+    return cast(jax.Array, module.param(name, init, shape, dtype))
+
+
 class Weights(nn.Module):
     """Declares one projection's `kernel` (and `bias`) and returns them; the caller does the einsum.
 
@@ -70,8 +75,6 @@ class Weights(nn.Module):
 
     @nn.compact
     def __call__(self) -> tuple[jax.Array, jax.Array | None]:
-        kernel = self.param("kernel", self.kernel_init, self.kernel_shape, self.param_dtype)
-        bias = (
-            self.param("bias", self.bias_init, self.bias_shape, self.param_dtype) if self.use_bias else None
-        )
+        kernel = param(self, "kernel", self.kernel_init, self.kernel_shape, self.param_dtype)
+        bias = param(self, "bias", self.bias_init, self.bias_shape, self.param_dtype) if self.use_bias else None
         return kernel, bias

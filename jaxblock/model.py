@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from jaxblock import masks
 from jaxblock.block import EncoderBlock
 from jaxblock.config import EncoderConfig, StackConfig
+from jaxblock.initializers import param
 from jaxblock.norms import make_norm
 from jaxblock.positions import sinusoidal_table
 
@@ -108,8 +109,8 @@ class Encoder(nn.Module):
             raise ValueError(
                 f"sequence length {length} exceeds max_len={cfg.max_len}: truncate inputs or raise model.max_len"
             )
-        embed = self.param(
-            "embedding",
+        embed = param(
+            self, "embedding",
             nn.with_logical_partitioning(nn.initializers.normal(1.0), ("vocab", "embed")),
             (cfg.vocab_size, blk.model_dim), blk.params_dtype,
         )
@@ -121,8 +122,8 @@ class Encoder(nn.Module):
         if cfg.positions == "sinusoidal":
             x = x + sinusoidal_table(cfg.max_len, blk.model_dim)[positions]
         elif cfg.positions == "learned":
-            table = self.param(
-                "pos_embedding",
+            table = param(
+                self, "pos_embedding",
                 nn.with_logical_partitioning(nn.initializers.normal(0.02), (None, "embed")),
                 (cfg.max_len, blk.model_dim), blk.params_dtype,
             )

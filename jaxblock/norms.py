@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxblock.config import BlockConfig
+from jaxblock.initializers import param
 
 
 class LayerNorm(nn.Module):
@@ -46,14 +47,16 @@ class RMSNorm(nn.Module):
 
 
 def _affine(module: nn.Module, y: jax.Array, cfg: BlockConfig) -> jax.Array:
-    scale = module.param(
+    scale = param(
+        module,
         "scale", nn.with_logical_partitioning(nn.initializers.ones_init(), ("embed",)),
         (cfg.model_dim,), cfg.params_dtype,
     )
     lead = (1,) * (y.ndim - 1)  # explicit broadcast: tests forbid implicit rank promotion
     y = y * scale.astype(jnp.float32).reshape(*lead, -1)
     if cfg.use_bias:
-        bias = module.param(
+        bias = param(
+            module,
             "bias", nn.with_logical_partitioning(nn.initializers.zeros_init(), ("embed",)),
             (cfg.model_dim,), cfg.params_dtype,
         )
