@@ -1,0 +1,145 @@
+"""Tokenizers: UTF-8 bytes, BPE (the `tokenizers` library), and identity ids for the synthetic tasks.
+
+Every tokenizer reserves id 0 for padding, encodes without adding special tokens (the classifier pools
+with a masked mean, so it needs no [CLS]), and saves itself into a directory beside the run:
+`tokenizer_config.json` names the kind, plus `tokenizer.json` for BPE. `load_tokenizer` reads it back.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, normalizers, pre_tokenizers, trainers
+
+from train.sources import DataError
+
+CONFIG_FILE = "tokenizer_config.json"
+BPE_FILE = "tokenizer.json"
+PAD, UNK = "<pad>", "<unk>"
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+    kind: str  # "byte" | "bpe" | "id"
+    vocab_size: int
+    pad_id: int
+
+    def encode(self, text: str) -> list[int]: ...
+    def decode(self, ids: Iterable[int]) -> str: ...
+    def save(self, directory: Path) -> None: ...
+
+
+def _write_config(directory: Path, config: dict[str, object]) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+
+
+class ByteTokenizer:
+    """UTF-8 bytes shifted past the specials: pad=0, bos=1, eos=2 (reserved), byte b -> b + 3."""
+
+    kind = "byte"
+    pad_id = 0
+    offset = 3
+    vocab_size = 256 + offset
+
+    def encode(self, text: str) -> list[int]:
+        return [b + self.offset for b in text.encode("utf-8")]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return bytes(i - self.offset for i in ids if i >= self.offset).decode("utf-8", errors="replace")
+
+    def save(self, directory: Path) -> None:
+        _write_config(directory, {"kind": self.kind, "vocab_size": self.vocab_size})
+
+
+class BpeTokenizer:
+    """Byte-level BPE (no unknown characters: every byte is in the base alphabet), pad=0, unk=1."""
+
+    kind = "bpe"
+
+    def __init__(self, tokenizer: HFTokenizer):
+        self._tok = tokenizer
+        self.vocab_size = tokenizer.get_vocab_size()
+        pad = tokenizer.token_to_id(PAD)
+        if pad is None:
+            raise DataError(f"BPE tokenizer has no {PAD} token: delete the tokenizer files to rebuild it")
+        self.pad_id = pad
+
+    @classmethod
+    def train(cls, texts: list[str], vocab_size: int) -> BpeTokenizer:
+        """Learn merges from `texts` (the training split only, so no evaluation text leaks in)."""
+        tok = HFTokenizer(models.BPE())
+        tok.normalizer = normalizers.NFKC()
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
+        tok.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(
+            vocab_size=vocab_size,
+            special_tokens=[PAD, UNK],  # ids 0 and 1, in this order
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        )
+        tok.train_from_iterator(texts, trainer=trainer)
+        return cls(tok)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=False).ids)
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return str(self._tok.decode(list(ids))).strip()
+
+    def save(self, directory: Path) -> None:
+        _write_config(directory, {"kind": self.kind, "vocab_size": self.vocab_size})
+        self._tok.save(str(directory / BPE_FILE))
+
+
+class IdTokenizer:
+    """Synthetic rows: whitespace-separated integers 0..symbols-1 -> id + 2 (pad=0, unk=1 for anything else)."""
+
+    kind = "id"
+    pad_id = 0
+    unk_id = 1
+    offset = 2
+
+    def __init__(self, symbols: int):
+        self.symbols = symbols
+        self.vocab_size = symbols + self.offset
+
+    def encode(self, text: str) -> list[int]:
+        return [int(w) + self.offset if w.isdigit() and int(w) < self.symbols else self.unk_id for w in text.split()]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return " ".join(str(i - self.offset) if i >= self.offset else "?" for i in ids if i != self.pad_id)
+
+    def save(self, directory: Path) -> None:
+        _write_config(directory, {"kind": self.kind, "vocab_size": self.vocab_size, "symbols": self.symbols})
+
+
+def has_tokenizer(directory: Path | None) -> bool:
+    return directory is not None and (directory / CONFIG_FILE).is_file()
+
+
+def load_tokenizer(directory: Path) -> Tokenizer:
+    """Read a tokenizer saved with `save`. DataError (one line) if it is missing or corrupt."""
+    path = directory / CONFIG_FILE
+    if not path.is_file():
+        raise DataError(f"no tokenizer in {directory} ({CONFIG_FILE} missing): point at the run directory "
+                        "that trained the model")
+    try:
+        config = json.loads(path.read_text())
+        kind = config["kind"]
+        if kind == "byte":
+            return ByteTokenizer()
+        if kind == "id":
+            return IdTokenizer(int(config["symbols"]))
+        if kind == "bpe":
+            return BpeTokenizer(HFTokenizer.from_file(str(directory / BPE_FILE)))
+    except Exception as err:  # the tokenizers library raises plain Exception on a corrupt file
+        if isinstance(err, DataError):
+            raise
+        raise DataError(f"tokenizer in {directory} is unreadable ({err.__class__.__name__}): restore its files "
+                        "from the run or delete them to rebuild") from None
+    raise DataError(f"tokenizer in {directory} has unknown kind '{kind}': restore {CONFIG_FILE} from the run")
