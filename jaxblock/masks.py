@@ -106,12 +106,29 @@ def to_torch_key_padding_mask(valid_tokens: Any) -> np.ndarray:
     return ~np.asarray(valid_tokens, bool)
 
 
-def from_torch_attn_mask(src_mask: Any) -> np.ndarray:
-    """PyTorch src_mask [L, L] or [N*H, L, L] (bool True = ignore, or additive float) -> True = attend."""
+def from_torch_attn_mask(src_mask: Any, num_heads: int | None = None) -> np.ndarray:
+    """PyTorch src_mask [L, L] or [N*H, L, L] (bool True = ignore, or additive float) -> True = attend.
+
+    With `num_heads`, a per-head [N*H, L, L] mask becomes our [N, L, L]; its heads must agree,
+    because one mask serves every head here.
+    """
     m = np.asarray(src_mask)
-    if m.dtype == np.bool_:
-        return ~m
-    return _additive_to_bool(m, "src_mask")
+    allowed = ~m if m.dtype == np.bool_ else _additive_to_bool(m, "src_mask")
+    if num_heads is None or allowed.ndim != 3:
+        return allowed
+    nh, length, _ = allowed.shape
+    if nh % num_heads:
+        raise ValueError(
+            f"src_mask has {nh} masks on its first axis, not a multiple of num_heads={num_heads}: "
+            "pass [L, L] or [N*H, L, L]"
+        )
+    per_head = allowed.reshape(nh // num_heads, num_heads, length, length)  # [N, H, L, L]
+    if not np.all(per_head == per_head[:, :1]):
+        raise ValueError(
+            "src_mask differs across heads: jaxblock applies one mask to every head, "
+            "pass an [L, L] or per-example mask repeated over heads"
+        )
+    return per_head[:, 0]  # [N, L, L]
 
 
 def to_torch_attn_mask(attn_mask: Any) -> np.ndarray:
