@@ -138,16 +138,18 @@ class Encoder(nn.Module):
 def masked_mean(x: jax.Array, valid_tokens: jax.Array) -> jax.Array:
     """[N, L, D] -> float32[N, D]: mean over real tokens only (a row with none gives 0)."""
     masks.check_valid_tokens(valid_tokens, x.shape[:2])
-    w = valid_tokens.astype(jnp.float32)[..., None]  # [N, L, 1]
-    total = jnp.sum(x.astype(jnp.float32) * w, axis=1)
-    return total / jnp.maximum(jnp.sum(w, axis=1), 1.0)
+    keep = valid_tokens[..., None]  # [N, L, 1]
+    # where, not multiply: a non-finite padded output must not reach the mean (0 * NaN = NaN).
+    total = jnp.sum(jnp.where(keep, x.astype(jnp.float32), 0.0), axis=1)
+    return total / jnp.maximum(jnp.sum(keep.astype(jnp.float32), axis=1), 1.0)
 
 
 def segment_mean(x: jax.Array, valid_tokens: jax.Array, segment_ids: jax.Array, num_segments: int) -> jax.Array:
     """Packed rows: [N, L, D] -> float32[N, S, D], mean of each segment's real tokens (ids 0..S-1)."""
-    onehot = (segment_ids[..., None] == jnp.arange(num_segments)) & valid_tokens[..., None]  # [N, L, S]
-    w = onehot.astype(jnp.float32)
-    total = jnp.einsum("NLS,NLD->NSD", w, x.astype(jnp.float32))
+    slots = jnp.arange(num_segments)[None, None, :]
+    w = ((segment_ids[..., None] == slots) & valid_tokens[..., None]).astype(jnp.float32)  # [N, L, S]
+    real = jnp.where(valid_tokens[..., None], x.astype(jnp.float32), 0.0)  # keep NaN padding out
+    total = jnp.einsum("NLS,NLD->NSD", w, real)
     return total / jnp.maximum(jnp.sum(w, axis=1), 1.0)[..., None]
 
 

@@ -302,3 +302,17 @@ def test_too_long_input_names_max_len():
     tokens = jnp.zeros((1, 9), jnp.int32)
     with pytest.raises(ValueError, match=r"exceeds max_len=8: truncate inputs or raise model\.max_len"):
         Classifier(cfg).apply({"params": params}, tokens, jnp.ones((1, 9), bool))
+
+
+def test_non_finite_padding_never_reaches_real_outputs_or_logits():
+    """Padded ids outside [0, V) embed as NaN; real positions and pooled logits must stay exact."""
+    cfg = EncoderConfig(num_layers=2, vocab_size=11, max_len=8, block=dict(model_dim=16, num_heads=2, ffn_dim=32))
+    model = Classifier(cfg)
+    tokens = jnp.asarray([[1, 2, 3, 4, 5, 6, 7, 8], [3, 1, 4, 1, 0, 0, 0, 0]], jnp.int32)
+    valid = jnp.arange(8)[None, :] < jnp.asarray([[8], [4]])
+    variables = model.init(jax.random.key(0), tokens, valid)
+    clean = model.apply(variables, tokens, valid)
+    poisoned_tokens = jnp.where(valid, tokens, 99)  # out of range: the lookup gives NaN
+    poisoned = model.apply(variables, poisoned_tokens, valid)
+    assert bool(jnp.all(jnp.isfinite(poisoned)))
+    np.testing.assert_allclose(np.asarray(poisoned), np.asarray(clean), rtol=1e-6, atol=1e-6)
