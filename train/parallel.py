@@ -1,50 +1,422 @@
-"""Where the step is compiled and data is placed: the only module that knows about devices.
+"""Where the step is compiled and data is placed: the only module that knows about devices and hosts.
 
 `make_runner(config, state)` returns a Runner for `parallel.strategy`:
 - single:  jax.jit(train_step, donate_argnums=0) on one device.
-(pmap and sharded strategies are added here; the loop only talks to the Runner interface.)
+- pmap:    jax.pmap over every device: replicated state, one batch shard per device, the gradient
+           reduced inside the step (`train.step.loss_and_grads`), a dropout key per device.
+- sharded: jax.jit with NamedSharding over a Mesh with axes (data, fsdp, tensor). Parameters are
+           placed by their logical axis names through `parallel.rules`; optimizer state follows its
+           parameters; the batch is split over (data, fsdp). XLA inserts the collectives.
+
+Batches arrive as host numpy dicts holding this process's contiguous share of the global batch
+(`Runner.data_share()` says which share); the runner assembles the global array. `train.batch_size`
+is the global batch, so every layout computes the same numbers (tests/test_parallel.py).
+Multi-host: call `initialize_distributed(config.parallel)` before anything touches a device; every
+process then runs the same program, only `is_primary()` logs, and all processes save checkpoints.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+import logging
+import math
+from collections.abc import Callable
+from typing import Any, cast
 
+import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
-from train.config import Config
+from jaxblock import Classifier
+from train.config import MESH_AXES, Config, ConfigError, ParallelConfig
 from train.state import TrainState
 from train.step import Metrics, eval_step, train_step
 
+log = logging.getLogger(__name__)
 
-@dataclass
+PMAP_AXIS = "batch"
+Batch = dict[str, np.ndarray]
+
+
+# --- processes --------------------------------------------------------------------------------------
+
+
+def initialize_distributed(cfg: ParallelConfig) -> None:
+    """Join the multi-host run (no-op for one process). Must run before any JAX device is touched."""
+    if not (cfg.distributed or cfg.coordinator) or jax.distributed.is_initialized():
+        return
+    try:
+        jax.distributed.initialize(cfg.coordinator, cfg.num_processes, cfg.process_id)
+    except (RuntimeError, ValueError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ConfigError(
+            f"jax.distributed could not start ({first}): set parallel.coordinator=HOST:PORT "
+            "parallel.num_processes=N parallel.process_id=I, or run under a detected cluster (SLURM, TPU VM)"
+        ) from None
+
+
+def is_primary() -> bool:
+    """True on the one process that logs and writes metrics (process 0)."""
+    return jax.process_index() == 0
+
+
+# --- mesh and parameter layout -----------------------------------------------------------------------
+
+
+def mesh_shape(cfg: ParallelConfig, device_count: int) -> tuple[int, int, int]:
+    """(data, fsdp, tensor) with -1 resolved; the product must be the device count."""
+    sizes = [cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor]
+    fixed = math.prod(s for s in sizes if s != -1)
+    if -1 in sizes:
+        if device_count % fixed:
+            raise ConfigError(
+                f"parallel.mesh {dict(zip(MESH_AXES, sizes, strict=True))} does not divide {device_count} "
+                "devices: pick axis sizes whose product divides the device count"
+            )
+        sizes[sizes.index(-1)] = device_count // fixed
+    if math.prod(sizes) != device_count:
+        raise ConfigError(
+            f"parallel.mesh {dict(zip(MESH_AXES, sizes, strict=True))} needs {math.prod(sizes)} devices but "
+            f"{device_count} are present: make the product equal the device count or set one axis to -1"
+        )
+    return sizes[0], sizes[1], sizes[2]
+
+
+def make_mesh(cfg: ParallelConfig, devices: list[Any] | None = None) -> Mesh:
+    devices = devices or jax.devices()
+    shape = mesh_shape(cfg, len(devices))
+    return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * 3, devices=devices)
+
+
+def logical_rules(cfg: ParallelConfig) -> tuple[tuple[str, Any], ...]:
+    return tuple((name, axes) for name, axes in cfg.rules)
+
+
+def param_logical_specs(config: Config) -> Any:
+    """Logical PartitionSpecs of the Classifier's params, from an abstract init (nothing is computed)."""
+    model = Classifier(config.model)
+    length = min(config.model.max_len, 8)
+    tokens = jax.ShapeDtypeStruct((1, length), jnp.int32)
+    valid = jax.ShapeDtypeStruct((1, length), jnp.bool_)
+    boxed = jax.eval_shape(lambda t, v: model.init(jax.random.key(0), t, v), tokens, valid)
+    return nn.get_partition_spec(boxed["params"])
+
+
+def param_shardings(specs: Any, params: Any, mesh: Mesh, rules: Any) -> tuple[Any, list[str]]:
+    """NamedSharding per param leaf, and a note for each dim left replicated because its mesh axes
+    do not divide it (e.g. a 259-token vocabulary over tensor=2): such a dim is replicated rather
+    than refused, so every config runs on every mesh; the notes say what it costs."""
+    notes: list[str] = []
+    flat_specs, treedef = jax.tree.flatten(specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
+    treedef = cast(Any, treedef)
+    flat_params = treedef.flatten_up_to(params)
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+    out = []
+    for path, logical, leaf in zip(paths, flat_specs, flat_params, strict=True):
+        axes = list(nn.logical_to_mesh_axes(tuple(logical), rules) or ())
+        for dim, entry in enumerate(axes):
+            names = entry if isinstance(entry, tuple) else (entry,)
+            size = math.prod(mesh.shape[a] for a in names if a is not None)
+            if size > 1 and leaf.shape[dim] % size:
+                notes.append(f"{path} dim {dim} ({leaf.shape[dim]}) over {entry} ({size})")
+                axes[dim] = None
+        out.append(NamedSharding(mesh, PartitionSpec(*axes)))
+    return treedef.unflatten(out), notes
+
+
+def state_shardings(state: TrainState, params_sh: Any, mesh: Mesh) -> TrainState:
+    """Shardings for a whole TrainState: optimizer leaves that mirror a parameter (Adam moments,
+    accumulated gradients) take that parameter's sharding; counters are replicated."""
+    replicated = NamedSharding(mesh, PartitionSpec())
+    opt_sh = optax.tree_map_params(
+        state.tx, lambda _, sh: sh, state.opt_state, params_sh,
+        transform_non_params=lambda _: replicated,
+        is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct),
+    )
+    return state.replace(step=replicated, params=params_sh, opt_state=opt_sh)
+
+
+def _host_value(x: Any) -> Any:
+    """A leaf this process can read: global replicated arrays give their local copy."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        return x.addressable_data(0)
+    return x
+
+
+# --- runners -----------------------------------------------------------------------------------------
+
+
 class Runner:
-    """Compiled steps plus placement. Batches come in as host numpy dicts (this process's share)."""
+    """Compiled steps plus placement (the only interface the loop uses). Strategy `single`."""
 
-    strategy: str
-    _train: Any
-    _eval: Any
+    strategy = "single"
+
+    def __init__(self, config: Config, state: TrainState) -> None:
+        self.config = config
+        self.device = jax.devices()[0]
+        self._train = jax.jit(train_step, donate_argnums=0)
+        self._eval = jax.jit(eval_step)
+
+    def data_parallel_size(self) -> int:
+        """Devices that each compute on a slice of the batch (train.batch_size must be a multiple)."""
+        return 1
+
+    def data_share(self) -> tuple[int, int]:
+        """(index, count): this process loads share `index` of `count` contiguous shares of a batch
+        (pass them to train.data as process_index, process_count)."""
+        return 0, 1
 
     def place_state(self, state: TrainState) -> TrainState:
-        return jax.device_put(state)
+        return jax.device_put(jax.tree.map(_host_value, state), self.device)
 
-    def place_batch(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
-        return jax.device_put(batch)
+    def init_state(self, make_state: Callable[[], TrainState]) -> TrainState:
+        """Build the state where it lives (sharded from the start under `sharded`)."""
+        return self.place_state(jax.jit(make_state)())
 
-    def train_step(self, state: TrainState, batch: dict[str, np.ndarray], rng: jax.Array) -> tuple[TrainState, Metrics]:
+    def place_batch(self, batch: Batch) -> Any:
+        return jax.device_put(self._pad(batch))
+
+    def train_step(self, state: TrainState, batch: Batch, rng: jax.Array) -> tuple[TrainState, Metrics]:
         return self._train(state, self.place_batch(batch), rng)
 
-    def eval_step(self, state: TrainState, batch: dict[str, np.ndarray]) -> Metrics:
+    def eval_step(self, state: TrainState, batch: Batch) -> Metrics:
         return self._eval(state, self.place_batch(batch))
 
     def unreplicate(self, state: TrainState) -> TrainState:
-        """A state whose leaves are ordinary (host-fetchable, checkpointable) arrays."""
+        """A state of ordinary jax.Arrays without a device axis, which Orbax saves from every process."""
         return state
+
+    def abstract_state(self, state: TrainState) -> TrainState:
+        """Orbax restore target: shapes, dtypes and this layout's shardings for `unreplicate(state)`
+        (pass a host state or jax.eval_shape of one)."""
+        sh = SingleDeviceSharding(self.device)
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), state)
+
+    def _local_rows_multiple(self) -> int:
+        return 1
+
+    def _pad(self, batch: Batch) -> Batch:
+        """Pad this process's rows to a multiple of its devices with empty rows labelled -1, which
+        count nowhere (the step divides by the real-example count)."""
+        rows = len(batch["labels"])
+        missing = -rows % self._local_rows_multiple()
+        if not missing:
+            return batch
+        out = {}
+        for key, value in batch.items():
+            fill = -1 if key == "labels" else 0
+            pad = np.full((missing, *value.shape[1:]), fill, value.dtype)
+            out[key] = np.concatenate([np.asarray(value), pad])
+        return out
+
+
+class PmapRunner(Runner):
+    strategy = "pmap"
+
+    def __init__(self, config: Config, state: TrainState) -> None:
+        self.config = config
+        self.devices = jax.devices()
+        self.local_devices = jax.local_devices()
+        _check_batch_size(config, len(self.devices), "pmap uses every device")
+
+        def step(state: TrainState, batch: Any, rng: jax.Array) -> tuple[TrainState, Metrics]:
+            # A dropout key per device: the same key would drop the same units in every shard.
+            rng = jax.random.fold_in(rng, jax.lax.axis_index(PMAP_AXIS))
+            return train_step(state, batch, rng, axis_name=PMAP_AXIS)
+
+        # Metrics are reduced inside the step, so they come back once, not per device.
+        self._train = jax.pmap(step, PMAP_AXIS, in_axes=(0, 0, None), out_axes=(0, None), donate_argnums=0)
+        self._eval = jax.pmap(
+            lambda s, b: eval_step(s, b, axis_name=PMAP_AXIS), PMAP_AXIS, in_axes=(0, 0), out_axes=None
+        )
+        self._replicated = NamedSharding(Mesh(np.array(self.devices), ("devices",)), PartitionSpec())
+        self._stacked = NamedSharding(Mesh(np.array(self.local_devices), (PMAP_AXIS,)), PartitionSpec(PMAP_AXIS))
+
+    def data_parallel_size(self) -> int:
+        return len(self.devices)
+
+    def data_share(self) -> tuple[int, int]:
+        return jax.process_index(), jax.process_count()
+
+    def place_state(self, state: TrainState) -> TrainState:
+        # The same layout pmap gives its outputs, so the second step reuses the first one's program.
+        n = len(self.local_devices)
+
+        def put(x: Any) -> jax.Array:
+            host = np.asarray(_host_value(x))
+            return jax.device_put(np.broadcast_to(host, (n, *host.shape)), self._stacked)
+
+        return jax.tree.map(put, state)
+
+    def place_batch(self, batch: Batch) -> Any:
+        n = len(self.local_devices)
+        return {k: np.asarray(v).reshape(n, -1, *v.shape[1:]) for k, v in self._pad(batch).items()}
+
+    def _local_rows_multiple(self) -> int:
+        return len(self.local_devices)
+
+    def unreplicate(self, state: TrainState) -> TrainState:
+        """Drop the device axis: one copy (through the host, as a checkpoint goes there anyway) becomes
+        a global, fully replicated array that Orbax saves once whatever the host count."""
+
+        def one(x: jax.Array) -> jax.Array:
+            host = np.asarray(x.addressable_shards[0].data)[0]
+            return jax.make_array_from_callback(host.shape, self._replicated, lambda idx: host[idx])
+
+        return jax.tree.map(one, state)
+
+    def abstract_state(self, state: TrainState) -> TrainState:
+        sh = self._replicated
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), state)
+
+
+class ShardedRunner(Runner):
+    strategy = "sharded"
+
+    def __init__(self, config: Config, state: TrainState) -> None:
+        self.config = config
+        cfg = config.parallel
+        self.mesh = make_mesh(cfg)
+        self.rules = logical_rules(cfg)
+        batch_axes = (nn.logical_to_mesh_axes(("batch",), self.rules) or (None,))[0]
+        self.batch_sharding = NamedSharding(self.mesh, PartitionSpec(batch_axes))
+        self.replicated = NamedSharding(self.mesh, PartitionSpec())
+        _check_batch_size(config, self.data_parallel_size(), f"mesh axes {batch_axes}")
+        self._check_share()
+
+        specs = param_logical_specs(config)
+        spec_tree: Any = jax.tree.structure(specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
+        if spec_tree != jax.tree.structure(state.params):
+            raise ConfigError("the state's params do not match config.model: build the state from the same config")
+        params_sh, self.replicated_dims = param_shardings(specs, state.params, self.mesh, self.rules)
+        if self.replicated_dims and is_primary():
+            log.warning(
+                "parallel: %d param dims are replicated (size not divisible by their mesh axes): %s",
+                len(self.replicated_dims), "; ".join(self.replicated_dims),
+            )
+        self.state_sharding = state_shardings(state, params_sh, self.mesh)
+        self.params_sharding = params_sh
+        self._flat_sharding = jax.tree.leaves(self.state_sharding)
+        # Inputs arrive committed (place_state, place_batch); outputs are pinned inside the program.
+        # Pinning by constraint rather than jit's out_shardings keeps the step valid for any state of
+        # this shape: a state rebuilt by create_state carries new (static) optimizer closures.
+        rep = self.replicated
+
+        def step(state: TrainState, batch: Any, rng: jax.Array) -> tuple[TrainState, Metrics]:
+            new_state, metrics = train_step(state, batch, rng)
+            return self._pin(new_state), jax.lax.with_sharding_constraint(metrics, rep)
+
+        self._train = jax.jit(step, donate_argnums=0)
+        self._eval = jax.jit(lambda state, batch: jax.lax.with_sharding_constraint(eval_step(state, batch), rep))
+
+    def shardings_like(self, state: TrainState) -> TrainState:
+        """This layout's shardings in the tree structure of `state` (any state of the config's shape)."""
+        treedef: Any = jax.tree.structure(state)
+        if treedef.num_leaves != len(self._flat_sharding):
+            raise ConfigError(
+                f"the state has {treedef.num_leaves} leaves but this runner was built for "
+                f"{len(self._flat_sharding)}: build the state and the runner from the same config"
+            )
+        return jax.tree.unflatten(treedef, self._flat_sharding)
+
+    def _pin(self, state: TrainState) -> TrainState:
+        return jax.lax.with_sharding_constraint(state, self.shardings_like(state))
+
+    def data_parallel_size(self) -> int:
+        return math.prod(self.mesh.shape[a] for a in _axes_of(self.batch_sharding.spec[0]))
+
+    def _local_slices(self) -> list[int]:
+        """Batch shard indices (of data_parallel_size) held by this process's devices."""
+        n = self.data_parallel_size()
+        index_map = self.batch_sharding.addressable_devices_indices_map((n,))
+        return sorted({cast(tuple[slice, ...], idx)[0].indices(n)[0] for idx in index_map.values()})
+
+    def _check_share(self) -> None:
+        """Each process must hold batch shard block `process_index` of `process_count`, the share
+        train.data loads for it; a mesh with `tensor` spanning hosts would not."""
+        held = self._local_slices()
+        contiguous = held == list(range(held[0], held[0] + len(held)))
+        if not contiguous or self.data_share() != (jax.process_index(), jax.process_count()):
+            raise ConfigError(
+                f"process {jax.process_index()} of {jax.process_count()} holds batch shards {held} of "
+                f"{self.data_parallel_size()}, not its own contiguous share: keep parallel.mesh.tensor within "
+                "one host and split hosts over data/fsdp"
+            )
+
+    def data_share(self) -> tuple[int, int]:
+        held = self._local_slices()
+        return held[0] // len(held), self.data_parallel_size() // len(held)
+
+    def _local_rows_multiple(self) -> int:
+        return len(self._local_slices())
+
+    def place_state(self, state: TrainState) -> TrainState:
+        def put(x: Any, sh: NamedSharding) -> jax.Array:
+            if isinstance(x, jax.Array) and x.sharding.is_equivalent_to(sh, x.ndim):
+                return x  # e.g. restored straight into this layout
+            if isinstance(x, jax.Array) and not x.is_fully_addressable:
+                return jax.device_put(x, sh)  # global in another layout: reshard on device
+            host = np.asarray(x)
+            return jax.make_array_from_callback(host.shape, sh, lambda idx: host[idx])
+
+        return jax.tree.map(put, state, self.shardings_like(state))
+
+    def init_state(self, make_state: Callable[[], TrainState]) -> TrainState:
+        return jax.jit(lambda: self._pin(make_state()))()
+
+    def place_batch(self, batch: Batch) -> Any:
+        return {
+            k: jax.make_array_from_process_local_data(self.batch_sharding, np.asarray(v))
+            for k, v in self._pad(batch).items()
+        }
+
+    def train_step(self, state: TrainState, batch: Batch, rng: jax.Array) -> tuple[TrainState, Metrics]:
+        return self._train(state, self.place_batch(batch), self._place_key(rng))
+
+    def _place_key(self, rng: jax.Array) -> jax.Array:
+        """Every process derives the same key: one copy per local device makes it a global replicated
+        array (device_put cannot target other hosts' devices; no host round trip stalls the queue)."""
+        if isinstance(rng, jax.Array) and rng.sharding == self.replicated:
+            return rng
+        local = _host_value(rng)
+        copies = [jax.device_put(local, d) for d in self.mesh.local_devices]
+        return jax.make_array_from_single_device_arrays(local.shape, self.replicated, copies)
+
+    def abstract_state(self, state: TrainState) -> TrainState:
+        return jax.tree.map(
+            lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), state, self.shardings_like(state)
+        )
+
+
+def _axes_of(entry: Any) -> tuple[str, ...]:
+    if entry is None:
+        return ()
+    return entry if isinstance(entry, tuple) else (entry,)
+
+
+def _check_batch_size(config: Config, parallel: int, where: str) -> None:
+    size = config.train.batch_size
+    if size % parallel:
+        raise ConfigError(
+            f"train.batch_size={size} (global) does not split over {parallel} data-parallel devices ({where}): "
+            f"use a multiple of {parallel}"
+        )
 
 
 def make_runner(config: Config, state: TrainState) -> Runner:
+    """The Runner for config.parallel. `state` (host arrays or jax.eval_shape of one) gives shapes."""
     strategy = config.parallel.strategy
+    if jax.process_count() > 1 and (strategy == "single" or jax.device_count() == 1):
+        raise ConfigError(
+            f"parallel.strategy={strategy} runs on one device but {jax.process_count()} processes joined: "
+            "use parallel.strategy=sharded or pmap"
+        )
+    if strategy == "sharded":
+        mesh_shape(config.parallel, jax.device_count())  # a mesh that cannot fit fails even on 1 device
     if strategy == "single" or jax.device_count() == 1:
-        return Runner("single", jax.jit(train_step, donate_argnums=0), jax.jit(eval_step))
-    raise ValueError(f"parallel.strategy={strategy} is not available yet: use parallel.strategy=single")
+        return Runner(config, state)
+    if strategy == "pmap":
+        return PmapRunner(config, state)
+    return ShardedRunner(config, state)

@@ -3,7 +3,7 @@
 Batch keys (DESIGN.md): tokens int32[N, L], valid_tokens bool[N, L], labels int32[N] (a label < 0
 marks a padding example that counts nowhere), optional segment_ids int32[N, L].
 Compiled in one place (train/parallel.py). With `axis_name` (pmap) gradients and metrics are
-averaged over that axis; that `pmean` is the only collective in the code base.
+reduced over that axis (`loss_and_grads`); those `psum`s are the only collectives in the code base.
 """
 
 from __future__ import annotations
@@ -47,20 +47,35 @@ def _forward(params: Any, state: TrainState, batch: Batch, train: bool, rng: jax
     )
 
 
+def loss_and_grads(
+    state: TrainState, batch: Batch, rng: jax.Array | None, axis_name: str | None = None
+) -> tuple[jax.Array, Metrics, Any]:
+    """(mean loss over the real examples of the whole batch, their sums, gradients of that loss).
+
+    With `axis_name` each device holds one shard of the batch. A mean of per-device means would
+    weight a shard with fewer real examples (label < 0 padding) too much, so each device divides its
+    loss sum by the whole batch's real count and the per-device gradients are summed: the result is
+    the single-device gradient of the same batch, whatever the split.
+    """
+    check_batch(batch)
+
+    def loss_fn(params: Any) -> tuple[jax.Array, Metrics]:
+        loss, sums = classification_loss(_forward(params, state, batch, True, rng), batch["labels"])
+        if axis_name is not None:
+            loss = sums["loss_sum"] / jnp.maximum(jax.lax.psum(sums["count"], axis_name), 1)
+        return loss, sums
+
+    (loss, sums), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+    if axis_name is not None:
+        grads, loss, sums = jax.lax.psum((grads, loss, sums), axis_name)
+    return loss, sums, grads
+
+
 def train_step(
     state: TrainState, batch: Batch, rng: jax.Array, axis_name: str | None = None
 ) -> tuple[TrainState, Metrics]:
     """One optimizer update. rng is this step's dropout key (fold the step into a run key)."""
-    check_batch(batch)
-
-    def loss_fn(params: Any) -> tuple[jax.Array, Metrics]:
-        return classification_loss(_forward(params, state, batch, True, rng), batch["labels"])
-
-    (loss, sums), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
-    if axis_name is not None:
-        grads = jax.lax.pmean(grads, axis_name)
-        loss = jax.lax.pmean(loss, axis_name)
-        sums = jax.lax.psum(sums, axis_name)
+    loss, sums, grads = loss_and_grads(state, batch, rng, axis_name)
     grad_norm = optax.global_norm(grads)
     new_state = state.apply_gradients(grads=grads)
     metrics = {

@@ -1,0 +1,125 @@
+"""Multi-host: 2 processes on 127.0.0.1 joined by jax.distributed (4 CPU devices each) compute what 1
+process with 8 devices computes, and the checkpoint they write together restores in 1 process."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import jax
+import multihost_driver as driver
+import numpy as np
+import pytest
+
+from train.checkpoint import Checkpoints
+
+ROOT = Path(__file__).resolve().parent.parent
+DRIVER = Path(driver.__file__).resolve()
+TIMEOUT = 600  # seconds for a whole multi-process run on a loaded 2-core machine
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def child_env(devices: int) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+               PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+    return env
+
+
+def run_processes(commands: list[list[str]], env: dict[str, str], cwd: Path) -> list[str]:
+    """Start every command at once (they rendezvous), wait for all; on any failure show each output."""
+    procs = [subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for cmd in commands]
+    outputs = []
+    try:
+        for proc in procs:
+            out, _ = proc.communicate(timeout=TIMEOUT)
+            outputs.append(out)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    codes = [proc.returncode for proc in procs]
+    if any(codes):
+        tails = "\n".join(f"--- process {i} (exit {c}):\n{o[-3000:]}" for i, (c, o) in
+                          enumerate(zip(codes, outputs, strict=True)))
+        pytest.fail(f"multi-process run failed:\n{tails}")
+    return outputs
+
+
+def test_two_processes_match_one_process_and_their_checkpoint_restores_in_one(tmp_path: Path) -> None:
+    port = free_port()
+    commands = [[sys.executable, str(DRIVER), "--port", str(port), "--num-processes", "2", "--process-id", str(i),
+                 "--devices", "4", "--out", str(tmp_path)] for i in range(2)]
+    run_processes(commands, child_env(4), ROOT)
+    two = json.loads((tmp_path / "result.json").read_text())
+    assert two["processes"] == 2 and two["devices"] == 8 and two["share"] == [0, 2]
+
+    one = driver.run({}, None)  # this process: 8 devices, the same mesh (data 4 x fsdp 2)
+    assert one["processes"] == 1 and one["devices"] == 8
+    # The same program on the same 8 devices: only the all-reduce transport differs (gloo across
+    # processes), so the curves agree to float32 rounding, far below the step-to-step change.
+    np.testing.assert_allclose(two["losses"], one["losses"], atol=1e-5, rtol=0)
+    assert np.ptp(one["losses"]) > 1e-2
+
+    # The checkpoint both processes wrote (each its own shards) restores straight into this process's
+    # mesh: the target is abstract (shapes + shardings), so no state is built first.
+    runner, config = one["runner"], one["config"]
+    ckpts = Checkpoints(tmp_path, config.checkpoint)
+    assert ckpts.latest_step() == driver.STEPS
+    restored, meta = ckpts.restore(driver.STEPS, runner.abstract_state(jax.eval_shape(one["make_state"])))
+    ckpts.close()
+    assert meta["label_names"] == ["even", "odd"]
+    state: Any = runner.place_state(restored)
+    assert int(state.step) == driver.STEPS
+    sums = runner.eval_step(state, one["share_of"](100))
+    assert abs(float(sums["loss_sum"]) / float(sums["count"]) - two["eval_loss"]) <= 1e-6
+    for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(one["state"].params), strict=True):
+        assert a.sharding.is_equivalent_to(b.sharding, a.ndim)
+
+
+def train_losses(workdir: Path) -> dict[int, float]:
+    records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in records if r["split"] == "train"}
+
+
+@pytest.mark.slow
+def test_cli_two_processes_train_like_one_and_one_process_resumes_and_evaluates(tmp_path: Path) -> None:
+    """The real command: tiny config, FSDP 2 x data 4. One process with 8 devices trains 10 steps
+    straight; two processes with 4 devices each train 8, then one process resumes their run to 10 and
+    evaluates its checkpoint on one device. A constant learning rate keeps the resumed schedule equal."""
+    one, two = tmp_path / "one", tmp_path / "two"
+
+    def train(workdir: Path, *overrides: str) -> list[str]:
+        return [sys.executable, "-m", "train", "--config", "configs/tiny.yaml", "--workdir", str(workdir),
+                "train.progress=false", "train.log_every=1", "train.eval_every=100", "checkpoint.every=4",
+                "optim.schedule=constant", "optim.warmup_steps=0", "parallel.mesh.fsdp=2", *overrides]
+
+    run_processes([train(one, "train.steps=10")], child_env(8), ROOT)
+    port = free_port()
+    run_processes([train(two, "train.steps=8", f"parallel.coordinator=127.0.0.1:{port}", "parallel.num_processes=2",
+                         f"parallel.process_id={i}") for i in range(2)], child_env(4), ROOT)
+    assert sorted(train_losses(two)) == list(range(1, 9))
+    single = ["parallel.coordinator=null", "parallel.num_processes=null", "parallel.process_id=null"]
+    run_processes([train(two, "train.steps=10", *single)], child_env(8), ROOT)
+    want, got = train_losses(one), train_losses(two)
+    assert sorted(got) == sorted(want) == list(range(1, 11))
+    np.testing.assert_allclose([got[s] for s in range(1, 11)], [want[s] for s in range(1, 11)], atol=1e-5, rtol=0)
+
+    # Restore the multi-host run's checkpoint on a single device of a single process.
+    (out,) = run_processes([[sys.executable, "-m", "train", "evaluate", "--workdir", str(two), "--split", "test"]],
+                           child_env(1), ROOT)
+    line = next(x for x in out.splitlines() if x.startswith("test:"))
+    records = [json.loads(x) for x in (two / "metrics.jsonl").read_text().splitlines()]
+    test = next(r for r in records if r["split"] == "test" and r["step"] == 10)
+    assert abs(float(line.split("loss ")[1].split()[0]) - test["loss"]) <= 1e-4  # printed to 4 decimals
