@@ -1,0 +1,392 @@
+"""`python -m train study-ln [--out docs]`: Pre-LN vs Post-LN at depth 6, 12 and 24.
+
+Same data, same seeds and so the same initial weights for both placements (the parameter trees are
+identical; Pre-LN adds only the final norm). The data is generated here (`count_task`) and batched by
+train/data.py: its own synthetic tasks relate position 0 to the rest of the row and, at these widths,
+stay at chance for the few hundred steps a CPU study can afford, which would leave nothing to compare.
+
+(a) At initialization, the gradient norm of each layer's FFN output kernel (ffn/linear2/kernel) by layer,
+    averaged over seeds: Xiong et al. 2020 ("On Layer Normalization in the Transformer Architecture",
+    Fig. 3) find Post-LN's growing toward the output layers and Pre-LN's flat.
+(b) Training at one fixed peak learning rate, with and without linear warmup (then linear decay to 0,
+    the project's `schedule: linear`): Adam (b1 0.9, b2 0.98), no clipping, no weight decay; a verdict
+    per run.
+
+Writes OUT/study_grad_norms.png, OUT/study_loss_curves.png, OUT/study_ln.md (tables) and
+OUT/study_ln.json (every number). Exit 0 done, 2 bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, NoReturn
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jaxblock import diagnostics as dg
+from jaxblock.config import EncoderConfig
+from jaxblock.model import Classifier, stack_layer_params
+from train import data
+from train.config import OptimConfig
+from train.state import init_params, make_schedule
+from train.step import classification_loss
+
+PLACEMENTS = ("pre", "post")
+
+
+@dataclass(frozen=True)
+class Settings:
+    depths: tuple[int, ...] = (6, 12, 24)
+    width: int = 32  # D
+    ffn_dim: int = 128  # F = 4D
+    heads: int = 4
+    length: int = 16  # L: the synthetic rows' length
+    vocab: int = 16  # symbols of the synthetic task
+    examples: int = 4000
+    batch_size: int = 32
+    steps: int = 150
+    warmup: int = 50
+    lr: float = 3e-3
+    seeds: tuple[int, ...] = (0, 1, 2)  # part (b): one run per seed (init and batch order)
+    grad_seeds: tuple[int, ...] = (0, 1, 2)  # part (a): mean over these inits
+    data_seed: int = 0  # the data set itself, the same for every run
+
+
+class UsageError(ValueError):
+    """Bad command-line input: one line naming the problem and the fix."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{self.prog}: {message} (see --help)")
+
+
+def _parser() -> argparse.ArgumentParser:
+    d = Settings()
+    p = _Parser(prog="python -m train study-ln", description="Pre-LN vs Post-LN: init gradients and warmup.")
+    p.add_argument("--out", default="docs", help="where the figures, study_ln.md and study_ln.json go")
+    p.add_argument("--depths", type=int, nargs="+", default=list(d.depths))
+    p.add_argument("--width", type=int, default=d.width, help="D")
+    p.add_argument("--ffn-dim", type=int, help="F (default 4D)")
+    p.add_argument("--heads", type=int, default=d.heads)
+    p.add_argument("--examples", type=int, default=d.examples, help="synthetic examples (train/val/test 80/10/10)")
+    p.add_argument("--batch-size", type=int, default=d.batch_size)
+    p.add_argument("--steps", type=int, default=d.steps)
+    p.add_argument("--warmup", type=int, default=d.warmup, help="linear warmup steps of the warmup runs")
+    p.add_argument("--lr", type=float, default=d.lr, help="peak learning rate, shared by every run")
+    p.add_argument("--seeds", type=int, nargs="+", default=list(d.seeds), help="training runs per setting")
+    p.add_argument("--grad-seeds", type=int, nargs="+", default=list(d.grad_seeds))
+    return p
+
+
+def main(argv: list[str]) -> int:
+    try:
+        a = _parser().parse_args(argv)
+        s = Settings(tuple(a.depths), a.width, a.ffn_dim or 4 * a.width, a.heads, examples=a.examples,
+                     batch_size=a.batch_size, steps=a.steps, warmup=a.warmup, lr=a.lr, seeds=tuple(a.seeds),
+                     grad_seeds=tuple(a.grad_seeds))
+        _validate(s)
+    except UsageError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    start = time.perf_counter()
+    result = run(s, log=lambda line: print(line, flush=True))
+    result["wall_seconds"] = time.perf_counter() - start
+    out = Path(a.out)
+    write(result, out)
+    print(f"study-ln: done in {result['wall_seconds']:.0f} s; wrote {out}/study_ln.md, study_grad_norms.png, "
+          "study_loss_curves.png")
+    return 0
+
+
+def _validate(s: Settings) -> None:
+    if min(s.depths) < 1 or s.steps < 2 or s.warmup < 1 or s.warmup >= s.steps or s.lr <= 0:
+        raise UsageError(f"need depths >= 1, steps >= 2, 1 <= warmup < steps, lr > 0; got depths {s.depths}, "
+                         f"steps {s.steps}, warmup {s.warmup}, lr {s.lr}")
+    if s.width % s.heads:
+        raise UsageError(f"--width {s.width} is not divisible by --heads {s.heads}: pick a divisor")
+    if s.examples < 20 or s.batch_size < 1:
+        raise UsageError(f"need --examples >= 20 (10% validate) and --batch-size >= 1; got {s.examples}, "
+                         f"{s.batch_size}")
+
+
+def model_config(s: Settings, depth: int, placement: str, vocab_size: int) -> EncoderConfig:
+    return EncoderConfig(
+        num_layers=depth, vocab_size=vocab_size, max_len=s.length, num_classes=2, scan_layers=True,
+        block=dict(model_dim=s.width, num_heads=s.heads, ffn_dim=s.ffn_dim, norm=placement),
+    )
+
+
+def run(s: Settings, log: Any = print) -> dict[str, Any]:
+    """Both parts; every number the figures and tables show."""
+    ds = count_task(s)
+    vocab_size = s.vocab + 1
+    grads: dict[str, Any] = {}
+    runs: list[dict[str, Any]] = []
+    batch0 = _batch(ds[0], s, s.data_seed, 0)
+    for depth in s.depths:
+        for placement in PLACEMENTS:
+            model = Classifier(model_config(s, depth, placement, vocab_size))
+            init = initializer(model, s)
+            per_seed = [_init_grads(model, init(seed), batch0) for seed in s.grad_seeds]
+            grads[f"{placement}/{depth}"] = np.mean(per_seed, axis=0).tolist()
+            log(f"(a) depth {depth:2d} {placement}-LN: ffn/linear2 grad norm by layer "
+                + " ".join(f"{g:.3g}" for g in grads[f"{placement}/{depth}"]))
+        for placement in PLACEMENTS:
+            model = Classifier(model_config(s, depth, placement, vocab_size))
+            init = initializer(model, s)
+            step = _make_step(model)
+            forward = jax.jit(lambda p, t, v, model=model: model.apply({"params": p}, t, v))
+            for seed in s.seeds:
+                for warm in (True, False):
+                    t0 = time.perf_counter()
+                    r = _train(init(seed), step, forward, ds, s, seed, warm)
+                    r.update(depth=depth, placement=placement, seed=seed, warmup=s.warmup if warm else 0,
+                             seconds=time.perf_counter() - t0)
+                    runs.append(r)
+                    log(f"(b) depth {depth:2d} {placement}-LN seed {seed} warmup {r['warmup']:3d}: {r['verdict']:9s} "
+                        f"final loss {r['final_loss']:.3f}, val acc {r['val_accuracy']:.3f} ({r['seconds']:.0f} s)")
+    return {"settings": asdict(s), "grad_norms": grads, "runs": runs}
+
+
+def count_task(s: Settings) -> tuple[data.Split, data.Split]:
+    """(train, validation): rows of L/2..L symbols; label 1 iff symbol 0 occurs more often than symbol 1.
+
+    Ties are dropped and the labels balanced. Token id = symbol + 1 (0 pads). A bag-of-tokens task, so
+    every model can learn it within the study's step budget and what separates the runs is optimization.
+    """
+    rng = np.random.default_rng([s.data_seed, 0xC0])
+    rows = rng.integers(0, s.vocab, (4 * s.examples, s.length))
+    lengths = rng.integers(s.length // 2, s.length + 1, 4 * s.examples)
+    real = np.arange(s.length)[None, :] < lengths[:, None]  # [E, L]
+    diff = np.sum((rows == 0) & real, 1) - np.sum((rows == 1) & real, 1)
+    half = s.examples // 2
+    ones, zeros = np.flatnonzero(diff > 0)[:half], np.flatnonzero(diff < 0)[:half]
+    order = rng.permutation(np.concatenate([ones, zeros]))
+    tokens = [(rows[i, : lengths[i]] + 1).astype(np.int32) for i in order]
+    labels = (diff[order] > 0).astype(np.int32)
+    cut = len(order) * 9 // 10
+    return (data.Split(tokens[:cut], labels[:cut], []), data.Split(tokens[cut:], labels[cut:], []))
+
+
+def _batch(split: data.Split, s: Settings, seed: int, step: int) -> dict[str, jax.Array]:
+    b = data.train_batch(split, seed=seed, step=step, batch_size=s.batch_size, buckets=[s.length])
+    return {k: jnp.asarray(v) for k, v in b.items()}
+
+
+def _loss(logits: jax.Array, batch: Any) -> jax.Array:
+    return classification_loss(logits, batch["labels"])[0]
+
+
+def initializer(model: Classifier, s: Settings) -> Any:
+    """seed -> params of the scanned model, initialised through its unrolled twin and stacked.
+
+    Op by op, the unrolled init reuses the same compiled ops at every depth; compiling the scanned
+    init would cost seconds per model.
+    """
+    unrolled = Classifier(model.config.model_copy(update={"scan_layers": False}))
+    return lambda seed: stack_layer_params(init_params(unrolled, seed, s.length))
+
+
+def _init_grads(model: Classifier, params: Any, batch: dict[str, jax.Array]) -> list[float]:
+    return dg.grad_norms_by_depth(model, {"params": params}, batch, _loss).ffn_out_kernel_grad
+
+
+_ADAM = optax.scale_by_adam(b1=0.9, b2=0.98, eps=1e-8)
+
+
+def _make_step(model: Classifier) -> Any:
+    """One compiled step per model; the learning rate is an argument, so both schedules share it."""
+
+    @jax.jit
+    def step(params: Any, opt: Any, batch: dict[str, jax.Array], lr: jax.Array) -> tuple[Any, Any, jax.Array]:
+        def loss_fn(p: Any) -> jax.Array:
+            logits: Any = model.apply({"params": p}, batch["tokens"], batch["valid_tokens"], train=True)
+            return _loss(logits, batch)
+
+        loss, g = jax.value_and_grad(loss_fn)(params)
+        updates, opt = _ADAM.update(g, opt, params)
+        return jax.tree.map(lambda p, u: p - lr * u, params, updates), opt, loss
+
+    return step
+
+
+def schedule(s: Settings, warm: bool) -> optax.Schedule:
+    """The project's schedule: linear warmup from 0 (or none), then linear decay to 0 at the last step."""
+    return make_schedule(OptimConfig(lr=s.lr, warmup_steps=s.warmup if warm else 0, schedule="linear"), s.steps)
+
+
+def _train(params: Any, step: Any, forward: Any, ds: tuple[data.Split, data.Split], s: Settings, seed: int,
+           warm: bool) -> dict[str, Any]:
+    opt = _ADAM.init(params)
+    losses: list[float] = []
+    lr = schedule(s, warm)
+    for t in range(s.steps):
+        params, opt, loss = step(params, opt, _batch(ds[0], s, seed, t), jnp.float32(lr(t)))
+        losses.append(float(loss))
+        if not math.isfinite(losses[-1]):
+            break
+    accuracy = _accuracy(forward, params, ds[1], s) if math.isfinite(losses[-1]) else float("nan")
+    window = losses[-max(len(losses) // 10, 1):]
+    return {"losses": losses, "final_loss": float(np.mean(window)), "val_accuracy": accuracy,
+            "verdict": verdict(losses, accuracy, 2)}
+
+
+def smooth(losses: list[float], window: int = 10) -> np.ndarray:
+    """Moving mean over `window` steps (fewer when the run is shorter)."""
+    w = max(min(window, len(losses)), 1)
+    return np.convolve(np.asarray(losses, np.float64), np.ones(w) / w, mode="valid")
+
+
+def verdict(losses: list[float], accuracy: float, classes: int) -> str:
+    """The fate of a run, from its losses (moving mean of 10) and validation accuracy:
+
+    diverged: a non-finite loss, a final loss well above chance, or a run that learned (loss below half
+    of chance) and fell back to chance; stalled: never left chance; converged: validation accuracy
+    >= 0.9; learning: in between.
+    """
+    chance = math.log(classes)
+    if not all(math.isfinite(x) for x in losses):
+        return "diverged"
+    curve = smooth(losses)
+    final = float(np.mean(losses[-max(len(losses) // 10, 1):]))
+    if final > 1.2 * chance or (final > 0.9 * chance and curve.min() < 0.5 * chance):
+        return "diverged"
+    if final > 0.9 * chance or not accuracy > 0.6:
+        return "stalled"
+    return "converged" if accuracy >= 0.9 else "learning"
+
+
+def _accuracy(forward: Any, params: Any, split: data.Split, s: Settings) -> float:
+    correct = count = 0
+    for b in data.eval_batches(split, batch_size=s.batch_size, buckets=[s.length]):
+        logits = np.asarray(forward(params, jnp.asarray(b["tokens"]), jnp.asarray(b["valid_tokens"])))
+        real = b["labels"] >= 0
+        correct += int(np.sum((logits.argmax(-1) == b["labels"]) & real))
+        count += int(real.sum())
+    return correct / max(count, 1)
+
+
+# --- outputs --------------------------------------------------------------------------------------
+
+
+def write(result: dict[str, Any], out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "study_ln.json").write_text(json.dumps(result, indent=1))
+    (out / "study_ln.md").write_text(tables(result))
+    _plot_grads(result, out / "study_grad_norms.png")
+    _plot_losses(result, out / "study_loss_curves.png")
+
+
+def tables(result: dict[str, Any]) -> str:
+    s = result["settings"]
+    g = result["grad_norms"]
+    lines = [
+        "(a) Gradient norm of ffn/linear2/kernel at initialization, first and last layer (mean over seeds "
+        f"{', '.join(map(str, s['grad_seeds']))}), and Post-LN's over Pre-LN's.", "",
+        "| depth | Pre-LN first | Pre-LN last | Post-LN first | Post-LN last | Post/Pre first | Post/Pre last |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for depth in s["depths"]:
+        pre, post = g[f"pre/{depth}"], g[f"post/{depth}"]
+        lines.append(f"| {depth} | {pre[0]:.3g} | {pre[-1]:.3g} | {post[0]:.3g} | {post[-1]:.3g} | "
+                     f"{post[0] / pre[0]:.2f} | {post[-1] / pre[-1]:.2f} |")
+    lines += [
+        "", f"(b) Training at peak lr {s['lr']:g} for {s['steps']} steps (batch {s['batch_size']}), with "
+        f"{s['warmup']} warmup steps or none, seeds {', '.join(map(str, s['seeds']))}; final loss = mean of the "
+        "last 10% of steps, then averaged over seeds.", "",
+        "| depth | placement | warmup | verdict per seed | final train loss | val accuracy |",
+        "| ---: | --- | ---: | --- | ---: | ---: |",
+    ]
+    for (depth, placement, warmup), runs in _settings_runs(result).items():
+        fates = [r["verdict"] for r in runs]
+        fate = f"{fates[0]} (all {len(fates)})" if len(set(fates)) == 1 else ", ".join(fates)
+        lines.append(f"| {depth} | {placement}-LN | {warmup} | {fate} | "
+                     f"{np.mean([r['final_loss'] for r in runs]):.3f} | "
+                     f"{np.mean([r['val_accuracy'] for r in runs]):.3f} |")
+    if "wall_seconds" in result:
+        lines += ["", f"Wall time of the whole study: {result['wall_seconds']:.0f} s."]
+    return "\n".join(lines) + "\n"
+
+
+_COLORS = {"pre": "tab:blue", "post": "tab:orange"}
+
+
+def _settings_runs(result: dict[str, Any]) -> dict[tuple[int, str, int], list[dict[str, Any]]]:
+    """Runs grouped by (depth, placement, warmup), in the order they ran."""
+    groups: dict[tuple[int, str, int], list[dict[str, Any]]] = {}
+    for r in result["runs"]:
+        groups.setdefault((r["depth"], r["placement"], r["warmup"]), []).append(r)
+    return groups
+
+
+def _plot_grads(result: dict[str, Any], path: Path) -> None:
+    from matplotlib.figure import Figure  # no pyplot: no global backend state
+
+    depths = result["settings"]["depths"]
+    g = result["grad_norms"]
+    fig = Figure(figsize=(3.6 * (len(depths) + 1), 3.4), layout="constrained")
+    axes = fig.subplots(1, len(depths) + 1, squeeze=False)[0]
+    for ax, depth in zip(axes, depths, strict=False):
+        for placement in PLACEMENTS:
+            ax.plot(np.arange(1, depth + 1), g[f"{placement}/{depth}"], "o-", ms=3, color=_COLORS[placement],
+                    label=f"{placement}-LN")
+        ax.set(title=f"{depth} layers", xlabel="layer", yscale="log")
+        _plain_log_axis(ax)
+        ax.legend()
+    axes[0].set_ylabel("||grad ffn/linear2/kernel|| at init")
+    ratio = axes[-1]
+    for depth in depths:
+        layers = np.arange(1, depth + 1)
+        ratio.plot(layers / depth, np.asarray(g[f"post/{depth}"]) / np.asarray(g[f"pre/{depth}"]), "o-", ms=3,
+                   label=f"{depth} layers")
+    ratio.set(title="Post-LN / Pre-LN", xlabel="layer / depth", yscale="log")
+    _plain_log_axis(ratio)
+    ratio.legend()
+    fig.suptitle("Gradient norm of each layer's FFN output weights at initialization")
+    fig.savefig(path, dpi=120)
+
+
+def _plain_log_axis(ax: Any) -> None:
+    from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
+
+    ax.yaxis.set_major_locator(LogLocator(subs=(1.0, 1.5, 2.0, 3.0, 5.0, 7.0)))
+    ax.yaxis.set_major_formatter(ScalarFormatter())
+    ax.yaxis.set_minor_formatter(NullFormatter())
+
+
+def _plot_losses(result: dict[str, Any], path: Path) -> None:
+    from matplotlib.figure import Figure
+
+    depths = result["settings"]["depths"]
+    fig = Figure(figsize=(4.2 * len(depths), 3.6), layout="constrained")
+    axes = fig.subplots(1, len(depths), squeeze=False)[0]
+    groups = _settings_runs(result)
+    for ax, depth in zip(axes, depths, strict=True):
+        for (d, placement, warmup), runs in groups.items():
+            if d != depth:
+                continue
+            curves = [smooth(r["losses"]) for r in runs]
+            length = min(len(c) for c in curves)
+            stack = np.stack([c[:length] for c in curves])  # [seeds, steps]
+            steps = np.arange(len(runs[0]["losses"]) - length, len(runs[0]["losses"]))
+            style = "-" if warmup else "--"
+            label = f"{placement}-LN, {'warmup ' + str(warmup) if warmup else 'no warmup'}"
+            ax.plot(steps, stack.mean(0), style, color=_COLORS[placement], label=label)
+            ax.fill_between(steps, stack.min(0), stack.max(0), color=_COLORS[placement], alpha=0.12, linewidth=0)
+        ax.axhline(math.log(2), color="gray", linestyle=":", linewidth=1)
+        ax.set(title=f"{depth} layers", xlabel="step", ylim=(0, 1.2))
+        ax.legend(fontsize=7)
+    axes[0].set_ylabel("training loss (moving mean of 10)")
+    fig.suptitle(f"Training at peak lr {result['settings']['lr']:g}: mean over seeds (band: min to max); "
+                 "dotted: chance (ln 2)")
+    fig.savefig(path, dpi=120)
