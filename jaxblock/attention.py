@@ -12,8 +12,9 @@ then the out-projection bias), with finite values and gradients.
 
 from __future__ import annotations
 
+import functools
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import chex
 import flax.linen as nn
@@ -118,6 +119,9 @@ class SelfAttention(nn.Module):
         x = x.astype(dt)
 
         q, k, v = self._qkv(x)  # [N, L, H, K], [N, L, G, K], [N, L, G, K]
+        # Padded positions may hold anything (even NaN from an out-of-range pad id). Their keys are
+        # masked, but weight 0 times a NaN value is NaN, so their values are cleared too.
+        v = jnp.where(valid_tokens[:, :, None, None], v, jnp.zeros((), v.dtype))
         if cfg.rope:
             if positions is None:
                 positions = jnp.broadcast_to(jnp.arange(length), (n, length))
@@ -194,8 +198,14 @@ class SelfAttention(nn.Module):
         else:
             ctx = jax.nn.dot_product_attention(q, k, v, mask=mask, implementation="xla")
         # A query that sees no key gets exactly 0 (the fused softmax would average all keys).
-        seen = jnp.any(mask, axis=-1)[:, 0, :, None, None]  # [N, L, 1, 1]
-        return jnp.where(seen, ctx, jnp.zeros((), ctx.dtype))
+        # With padding (and causal) only, that is O(N L) from valid_tokens, not a reduction of the [L, L] mask.
+        if not plain:
+            seen = jnp.any(mask, axis=-1)[:, 0]  # [N, L]
+        elif cfg.causal:  # query i sees a key iff some key j <= i is real
+            seen = jax.lax.cummax(valid_tokens.astype(jnp.int32), axis=1) > 0
+        else:
+            seen = jnp.broadcast_to(jnp.any(valid_tokens, axis=-1, keepdims=True), valid_tokens.shape)
+        return jnp.where(seen[:, :, None, None], ctx, jnp.zeros((), ctx.dtype))
 
 
 def chunked_attention(
@@ -209,60 +219,119 @@ def chunked_attention(
     segment_ids: jax.Array | None,
     chunk_size: int,
 ) -> jax.Array:
-    """Memory-efficient attention: online softmax over key blocks of `chunk_size`.
+    """Memory-efficient attention: online softmax over key blocks of `chunk_size` (C).
 
-    Never materializes [L, L] scores: each step holds [N, G, R, L, C]; the step body is
-    rematerialized so the backward pass stores only the running (max, sum, accumulator).
+    Never materializes [L, L] scores: the forward holds [N, G, R, L, C] per key block and keeps only
+    the output and the per-query log-sum-exp; the backward (flash-attention style, a custom VJP)
+    recomputes each block's probabilities from them. Memory therefore grows linearly in L.
     Same masks and the same exact-zero rule for queries with no visible key.
     """
     n, length, h, kdim = q.shape
     g = k.shape[2]
-    r = h // g
     c = min(chunk_size, length)
     pad = (-length) % c
-    nchunks = (length + pad) // c
-    kp = jnp.pad(k, ((0, 0), (0, pad), (0, 0), (0, 0)))
+    kp = jnp.pad(k, ((0, 0), (0, pad), (0, 0), (0, 0)))  # [N, Lp, G, K]
     vp = jnp.pad(v, ((0, 0), (0, pad), (0, 0), (0, 0)))
-    validp = jnp.pad(valid_tokens, ((0, 0), (0, pad)))
     seg = segment_ids if segment_ids is not None else jnp.zeros((n, length), jnp.int32)
-    segp = jnp.pad(seg, ((0, 0), (0, pad)), constant_values=-1)
-    am = attn_mask if attn_mask is not None else jnp.ones((length, length), jnp.bool_)
-    am = am if am.ndim == 3 else am[None]
-    amp = jnp.pad(am, ((0, 0), (0, 0), (0, pad)))  # [1 or N, L, Lp]
+    amp = None
+    if attn_mask is not None:
+        am = attn_mask if attn_mask.ndim == 3 else attn_mask[None]
+        amp = jnp.pad(am, ((0, 0), (0, 0), (0, pad)))  # [1 or N, L, Lp]
+    keys = _KeyMasks(
+        jnp.pad(valid_tokens, ((0, 0), (0, pad))), seg, jnp.pad(seg, ((0, 0), (0, pad)), constant_values=-1), amp
+    )
+    out = _flash(q.reshape(n, length, g, h // g, kdim), kp, vp, keys, causal, c)  # [N, G, R, L, K]
+    return out.transpose(0, 3, 1, 2, 4).reshape(n, length, h, kdim)
 
-    qg = q.reshape(n, length, g, r, kdim)  # [N, L, G, R, K]
+
+class _KeyMasks(NamedTuple):
+    """What decides whether query i may see key j, with keys padded to Lp (a multiple of C)."""
+
+    valid: jax.Array  # bool[N, Lp]
+    seg: jax.Array  # int[N, L]: the queries' segments
+    seg_keys: jax.Array  # int[N, Lp]: the keys' segments (-1 on the block padding)
+    attn_mask: jax.Array | None  # bool[1 or N, L, Lp]
+
+
+def _block_mask(m: _KeyMasks, start: jax.Array, c: int, causal: bool) -> jax.Array:
+    """bool[N, 1, 1, L, C]: the (query, key) pairs of key block [start, start + C) that may attend."""
+    length = m.seg.shape[1]
+    ok = jax.lax.dynamic_slice_in_dim(m.valid, start, c, axis=1)[:, None, :]  # [N, 1, C]
+    ok = ok & (m.seg[:, :, None] == jax.lax.dynamic_slice_in_dim(m.seg_keys, start, c, axis=1)[:, None, :])
+    if m.attn_mask is not None:
+        ok = ok & jax.lax.dynamic_slice_in_dim(m.attn_mask, start, c, axis=2)  # [1 or N, L, C]
+    if causal:
+        ok = ok & (jnp.arange(length)[:, None] >= (start + jnp.arange(c))[None, :])[None]
+    return ok[:, None, None]  # [N, L, C] -> [N, 1, 1, L, C]
+
+
+def _block(kp: jax.Array, vp: jax.Array, start: jax.Array, c: int) -> tuple[jax.Array, jax.Array]:
+    return (jax.lax.dynamic_slice_in_dim(kp, start, c, axis=1),  # [N, C, G, K]
+            jax.lax.dynamic_slice_in_dim(vp, start, c, axis=1))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _flash(qg: jax.Array, kp: jax.Array, vp: jax.Array, m: _KeyMasks, causal: bool, c: int) -> jax.Array:
+    """qg [N, L, G, R, K], kp/vp [N, Lp, G, K] -> out [N, G, R, L, K]."""
+    return _flash_fwd(qg, kp, vp, m, causal, c)[0]
+
+
+def _flash_fwd(
+    qg: jax.Array, kp: jax.Array, vp: jax.Array, m: _KeyMasks, causal: bool, c: int
+) -> tuple[jax.Array, tuple[Any, ...]]:
+    n, length, g, r, kdim = qg.shape
     scale = 1.0 / math.sqrt(kdim)
-    qpos = jnp.arange(length)
 
-    @jax.checkpoint
     def body(carry: tuple[jax.Array, jax.Array, jax.Array], i: jax.Array) -> tuple[Any, None]:
         m_run, l_run, acc = carry
-        start = i * c
-        k_c = jax.lax.dynamic_slice_in_dim(kp, start, c, axis=1)  # [N, C, G, K]
-        v_c = jax.lax.dynamic_slice_in_dim(vp, start, c, axis=1)
-        ok = jax.lax.dynamic_slice_in_dim(validp, start, c, axis=1)[:, None, :]  # [N, 1, C]
-        kseg = jax.lax.dynamic_slice_in_dim(segp, start, c, axis=1)
-        ok = ok & (seg[:, :, None] == kseg[:, None, :])  # [N, L, C]
-        ok = ok & jax.lax.dynamic_slice_in_dim(amp, start, c, axis=2)  # [1 or N, L, C]
-        if causal:
-            ok = ok & (qpos[:, None] >= (start + jnp.arange(c))[None, :])[None]
-        mk = ok[:, None, None]  # [N, 1, 1, L, C]
+        k_c, v_c = _block(kp, vp, i * c, c)
+        mk = _block_mask(m, i * c, c, causal)
         s = jnp.einsum("NQGRK,NCGK->NGRQC", qg, k_c, preferred_element_type=jnp.float32) * scale
         s = jnp.where(mk, s, _NEG)
         m_new = jnp.maximum(m_run, jnp.max(s, axis=-1))  # [N, G, R, L]
-        p = jnp.exp(s - m_new[..., None]) * mk
+        p = jnp.where(mk, jnp.exp(s - m_new[..., None]), 0.0)  # [N, G, R, L, C]
         corr = jnp.exp(m_run - m_new)
-        l_new = l_run * corr + jnp.sum(p, axis=-1)
-        pv = jnp.einsum("NGRQC,NCGK->NGRQK", p.astype(v.dtype), v_c, preferred_element_type=jnp.float32)
-        acc = acc * corr[..., None] + pv
-        return (m_new, l_new, acc), None
+        pv = jnp.einsum("NGRQC,NCGK->NGRQK", p.astype(vp.dtype), v_c, preferred_element_type=jnp.float32)
+        return (m_new, l_run * corr + jnp.sum(p, axis=-1), acc * corr[..., None] + pv), None
 
     init = (
         jnp.full((n, g, r, length), _NEG, jnp.float32),
         jnp.zeros((n, g, r, length), jnp.float32),
         jnp.zeros((n, g, r, length, kdim), jnp.float32),
     )
-    (_, l_fin, acc), _ = jax.lax.scan(body, init, jnp.arange(nchunks))
-    out = jnp.where(l_fin[..., None] > 0, acc / jnp.where(l_fin > 0, l_fin, 1.0)[..., None], 0.0)
-    # [N, G, R, L, K] -> [N, L, H, K]
-    return out.transpose(0, 3, 1, 2, 4).reshape(n, length, h, kdim).astype(q.dtype)
+    (m_fin, l_fin, acc), _ = jax.lax.scan(body, init, jnp.arange(kp.shape[1] // c))
+    seen = l_fin > 0  # [N, G, R, L]: the query sees at least one key
+    l_safe = jnp.where(seen, l_fin, 1.0)
+    out = jnp.where(seen[..., None], acc / l_safe[..., None], 0.0).astype(qg.dtype)
+    lse = jnp.where(seen, m_fin + jnp.log(l_safe), 0.0)  # log-sum-exp of each query's scores
+    return out, (qg, kp, vp, m, out, lse)
+
+
+def _flash_bwd(causal: bool, c: int, res: tuple[Any, ...], dout: jax.Array) -> tuple[Any, ...]:
+    qg, kp, vp, m, out, lse = res
+    scale = 1.0 / math.sqrt(qg.shape[-1])
+    do = dout.astype(qg.dtype)  # [N, G, R, L, K]
+    # d(softmax): dS = P * (dP - rowsum(dO * O)); a query with no visible key has P = 0 throughout.
+    delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)  # [N, G, R, L]
+
+    def body(dq: jax.Array, i: jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+        k_c, v_c = _block(kp, vp, i * c, c)
+        mk = _block_mask(m, i * c, c, causal)
+        s = jnp.einsum("NQGRK,NCGK->NGRQC", qg, k_c, preferred_element_type=jnp.float32) * scale
+        p = jnp.where(mk, jnp.exp(s - lse[..., None]), 0.0)  # [N, G, R, L, C]
+        dv = jnp.einsum("NGRQC,NGRQK->NCGK", p.astype(vp.dtype), do, preferred_element_type=jnp.float32)
+        dp = jnp.einsum("NGRQK,NCGK->NGRQC", do, v_c, preferred_element_type=jnp.float32)
+        ds = (p * (dp - delta[..., None]) * scale).astype(qg.dtype)
+        dq = dq + jnp.einsum("NGRQC,NCGK->NQGRK", ds, k_c, preferred_element_type=jnp.float32)
+        dk = jnp.einsum("NGRQC,NQGRK->NCGK", ds, qg, preferred_element_type=jnp.float32)
+        return dq, (dk.astype(kp.dtype), dv.astype(vp.dtype))
+
+    dq, (dk, dv) = jax.lax.scan(body, jnp.zeros(qg.shape, jnp.float32), jnp.arange(kp.shape[1] // c))
+    # Per-block key gradients [Lp/C, N, C, G, K] -> [N, Lp, G, K]
+    dk = jnp.moveaxis(dk, 0, 1).reshape(kp.shape)
+    dv = jnp.moveaxis(dv, 0, 1).reshape(vp.shape)
+    no_grad = jax.tree.map(lambda _: None, m)  # masks are not differentiable
+    return dq.astype(qg.dtype), dk, dv, no_grad
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)

@@ -53,7 +53,9 @@ class EncoderBlock(nn.Module):
         chex.assert_rank(x, 3)
         chex.assert_axis_dimension(x, 2, cfg.model_dim)
         masks.check_valid_tokens(valid_tokens, x.shape[:2])
-        x = x.astype(cfg.compute_dtype)
+        # A runtime 1.0 that XLA cannot fold away (see settle_gradient).
+        one = (jnp.sum(valid_tokens, dtype=jnp.int32) >= 0).astype(jnp.float32)
+        x = settle_gradient(x.astype(cfg.compute_dtype), one)
 
         def attn(h: jax.Array) -> jax.Array:
             if cfg.ablate == "attention":
@@ -72,9 +74,11 @@ class EncoderBlock(nn.Module):
 
         if cfg.norm == "pre":
             u = self._record("after_attn", x + attn(self._record("norm1", self.attn_norm(x))))
+            u = settle_gradient(u, one)
             y = self._record("after_ffn", u + ffn(self._record("norm2", self.ffn_norm(u))))
         else:
             u = self._record("norm1", self.attn_norm(self._record("after_attn", x + attn(x))))
+            u = settle_gradient(u, one)
             y = self._record("norm2", self.ffn_norm(self._record("after_ffn", u + ffn(u))))
 
         chex.assert_equal_shape([x, y])
@@ -83,3 +87,27 @@ class EncoderBlock(nn.Module):
     def _record(self, name: str, value: jax.Array) -> jax.Array:
         self.sow("intermediates", name, value)
         return value
+
+
+@jax.custom_vjp
+def settle_gradient(x: jax.Array, one: jax.Array) -> jax.Array:
+    """Identity; its backward divides the incoming gradient by `one` (a runtime 1.0: exact).
+
+    Why: the residual stream's gradient is a chain of adds and norm backward passes through every
+    later block, and XLA's CPU fusion otherwise re-derives it inside each of its consumers (the norm
+    reductions, the input-gradient matmul and the transposed copy feeding each weight gradient):
+    O(K^2) elementwise work with strided reads. A division is an op XLA will not duplicate, so the
+    gradient is computed once per residual point and stored.
+    """
+    return x
+
+
+def _settle_fwd(x: jax.Array, one: jax.Array) -> tuple[jax.Array, jax.Array]:
+    return x, one
+
+
+def _settle_bwd(one: jax.Array, g: jax.Array) -> tuple[jax.Array, jax.Array]:
+    return g / one.astype(g.dtype), jnp.zeros_like(one)
+
+
+settle_gradient.defvjp(_settle_fwd, _settle_bwd)

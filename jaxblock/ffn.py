@@ -19,12 +19,23 @@ import jax.numpy as jnp
 from jaxblock.config import BlockConfig
 from jaxblock.initializers import Weights, bias_init, kernel_init
 
+_SQRT_HALF = 0.7071067811865476
+
+
+def gelu_exact(x: jax.Array) -> jax.Array:
+    """0.5·x·(1 + erf(x/√2)): PyTorch's formula. XLA's erf is a rational polynomial while the erfc that
+    jax.nn.gelu(approximate=False) uses takes exp and selects; this form made the CPU training step ~9%
+    faster (python -m bench.profile) and agrees with jax.nn.gelu to ~1e-6 (the erfc form is more
+    accurate only where GELU is below 1e-7 in magnitude)."""
+    return 0.5 * x * (1.0 + jax.lax.erf(x * jnp.asarray(_SQRT_HALF, x.dtype)))
+
+
 _ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
     "relu": jax.nn.relu,
-    "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+    "gelu": gelu_exact,
     "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True),
     "swiglu": jax.nn.silu,
-    "geglu": lambda x: jax.nn.gelu(x, approximate=False),
+    "geglu": gelu_exact,
 }
 
 

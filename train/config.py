@@ -38,8 +38,8 @@ class DataConfig(_Section):
     )
     synthetic_task: Literal["majority", "pair_match"] = Field(
         "pair_match",
-        description="majority: is token A more frequent than B; pair_match: does the first token reappear "
-        "later in the row. Both need attention: a bag-of-tokens model stays at chance on pair_match.",
+        description="pair_match: does the first token reappear later in the row; majority: is the first token "
+        "the row's strict most frequent one. Both need attention: token counts carry no label signal.",
     )
     synthetic_size: int = Field(6000, gt=0, description="Examples generated for a synthetic task.")
     synthetic_vocab: int = Field(32, ge=4)
@@ -108,30 +108,77 @@ class CheckpointConfig(_Section):
     async_save: bool = True
 
 
+MESH_AXES = ("data", "fsdp", "tensor")
+DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
+    ("batch", ("data", "fsdp")), ("vocab", "tensor"), ("embed", "fsdp"), ("heads", "tensor"),
+    ("kv_heads", "tensor"), ("mlp", "tensor"), ("head_dim", None), ("layers", None),
+)
+
+
+class MeshConfig(_Section):
+    """Device mesh axis sizes; their product is the device count (all hosts). One may be -1: the rest."""
+
+    data: int = Field(-1, description="Data parallel: the batch is split, parameters are replicated.")
+    fsdp: int = Field(1, description="Fully sharded data parallel: the batch and params/optimizer state split.")
+    tensor: int = Field(1, description="Tensor parallel: heads, kv_heads, FFN width (and vocab) split.")
+
+    @model_validator(mode="after")
+    def _check(self) -> MeshConfig:
+        sizes = [self.data, self.fsdp, self.tensor]
+        if any(s == 0 or s < -1 for s in sizes) or sizes.count(-1) > 1:
+            raise ValueError(f"mesh sizes {sizes} must be positive, with at most one -1 (the remaining devices)")
+        return self
+
+
 class ParallelConfig(_Section):
+    """How a step runs on many devices and hosts (train/parallel.py).
+
+    `train.batch_size` is the global batch: all devices of all hosts together. Each host loads its
+    contiguous share (batch_size / hosts) and each data-parallel device (data x fsdp for sharded,
+    every device for pmap) computes on batch_size / (data x fsdp) examples, so the results do not
+    depend on the layout; batch_size must be a multiple of the data-parallel device count.
+    """
+
     strategy: Literal["single", "pmap", "sharded"] = Field(
-        "sharded", description="sharded: jax.jit over a Mesh (default); pmap: replicated data parallel."
+        "sharded",
+        description="sharded: jax.jit with NamedSharding over the (data, fsdp, tensor) mesh (default); "
+        "pmap: replicated data parallel over every device; single: one device.",
     )
-    mesh: dict[str, int] = Field(
-        default_factory=lambda: {"data": -1, "fsdp": 1, "tensor": 1},
-        description="Mesh axis sizes; -1 takes the remaining devices.",
+    mesh: MeshConfig = Field(
+        default_factory=lambda: MeshConfig(),
+        description="sharded only. Per-device batch = train.batch_size / (data x fsdp); pmap: / device count.",
     )
-    rules: list[tuple[str, str | None]] = Field(
-        default_factory=lambda: [
-            ("batch", "data"), ("vocab", "tensor"), ("embed", "fsdp"), ("heads", "tensor"),
-            ("kv_heads", "tensor"), ("mlp", "tensor"), ("head_dim", None), ("layers", None),
-        ],
-        description="Logical axis -> mesh axis.",
+    rules: list[tuple[str, str | tuple[str, ...] | None]] = Field(
+        default_factory=lambda: list(DEFAULT_RULES),
+        description="Logical axis -> mesh axis (or list of axes, or null: replicated); the first rule "
+        "naming a mesh axis wins within one array. A dim that its mesh axes do not divide is replicated.",
     )
-    coordinator: str | None = Field(None, description="host:port for jax.distributed; None: auto-detect.")
-    num_processes: int | None = None
-    process_id: int | None = None
+    distributed: bool = Field(
+        False,
+        description="Join a multi-host run with jax.distributed.initialize(): the cluster (SLURM, Cloud "
+        "TPU, ...) is auto-detected unless coordinator/num_processes/process_id are set.",
+    )
+    coordinator: str | None = Field(
+        None, description="host:port of process 0 for jax.distributed (implies distributed=true)."
+    )
+    num_processes: int | None = Field(None, gt=0, description="Processes in the run (with coordinator).")
+    process_id: int | None = Field(None, ge=0, description="This process's index (with coordinator).")
 
     @model_validator(mode="after")
     def _check(self) -> ParallelConfig:
-        unknown = set(self.mesh) - {"data", "fsdp", "tensor"}
-        if unknown:
-            raise ValueError(f"mesh has unknown axes {sorted(unknown)}: use data, fsdp, tensor")
+        for logical, mesh_axes in self.rules:
+            axes = mesh_axes if isinstance(mesh_axes, tuple) else (mesh_axes,)
+            unknown = [a for a in axes if a is not None and a not in MESH_AXES]
+            if unknown:
+                raise ValueError(f"rule for '{logical}' names unknown mesh axes {unknown}: use data, fsdp, tensor")
+        explicit = (self.coordinator, self.num_processes, self.process_id)
+        if any(v is not None for v in explicit) and any(v is None for v in explicit):
+            raise ValueError(
+                "coordinator, num_processes and process_id go together: set all three (e.g. "
+                "parallel.coordinator=10.0.0.1:1234 parallel.num_processes=2 parallel.process_id=0) or none"
+            )
+        if self.num_processes is not None and self.process_id is not None and self.process_id >= self.num_processes:
+            raise ValueError(f"process_id={self.process_id} must be below num_processes={self.num_processes}")
         return self
 
 
@@ -140,13 +187,13 @@ class DiagnosticsConfig(_Section):
 
 
 class Config(_Section):
-    model: EncoderConfig = Field(default_factory=EncoderConfig)
-    data: DataConfig = Field(default_factory=DataConfig)
-    optim: OptimConfig = Field(default_factory=OptimConfig)
-    train: TrainConfig = Field(default_factory=TrainConfig)
-    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
-    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
-    diagnostics: DiagnosticsConfig = Field(default_factory=DiagnosticsConfig)
+    model: EncoderConfig = Field(default_factory=lambda: EncoderConfig())
+    data: DataConfig = Field(default_factory=lambda: DataConfig())
+    optim: OptimConfig = Field(default_factory=lambda: OptimConfig())
+    train: TrainConfig = Field(default_factory=lambda: TrainConfig())
+    checkpoint: CheckpointConfig = Field(default_factory=lambda: CheckpointConfig())
+    parallel: ParallelConfig = Field(default_factory=lambda: ParallelConfig())
+    diagnostics: DiagnosticsConfig = Field(default_factory=lambda: DiagnosticsConfig())
 
 
 def parse_override(item: str) -> tuple[list[str], Any]:

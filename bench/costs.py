@@ -1,0 +1,134 @@
+"""How cost grows: step time and peak memory vs length L, width D and depth K; compile time vs K.
+
+length  L = 128 ... 4096 for one sequence (N=1), K=2: projections, FFN and activations grow as L,
+        attention's FLOPs and its [L, L] scores as L². Four attention/memory settings: XLA attention,
+        XLA + remat, chunked (flash-style, [L, C] blocks), chunked + remat.
+width   D = 128 ... 1024 (H = D/64, F = 4D) at N=8, L=128, K=2.
+depth   K = 1 ... 8 at the first benchmark shape.
+compile time to trace and compile the training step vs K, with and without scan over layers.
+
+Memory is reported twice: XLA's static plan for the compiled step (`memory_analysis`: arguments +
+outputs + temporaries - donated) and this process's resident memory sampled while the step runs.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from typing import Any
+
+import numpy as np
+
+from bench.context import Context
+from bench.flops import executed_train_flops, train_flops
+from bench.measure import Record, compiled_memory, peak_rss, time_interleaved
+from bench.workloads import OursTrain, Shape, init_params, make_inputs, stack_config
+
+
+def measure_train_point(ctx: Context, section: str, name: str, cfg: Any, shape: Shape,
+                        config: dict[str, Any], *, reps: int | None = None) -> Record:
+    """Compile one training step, time it and sample its memory."""
+    gc.collect()
+    params = init_params(cfg, shape)
+    x, valid = make_inputs(shape)
+    start = time.perf_counter()
+    step = OursTrain(cfg, params, x, valid)
+    compile_s = time.perf_counter() - start
+    with peak_rss() as rss:
+        times = time_interleaved({name: step}, reps=reps or ctx.reps, warmup=ctx.warmup)[name]
+    med = float(np.median(times))
+    flops = train_flops(cfg, shape.n, shape.length)
+    metrics: dict[str, Any] = {
+        "tokens_per_s": shape.n * shape.length / med, "gflop_per_s": flops / med / 1e9,
+        "executed_gflop_per_s": executed_train_flops(cfg, shape.n, shape.length) / med / 1e9,
+        **ctx.fraction(flops / med), **compiled_memory(step.compiled),
+        "rss_peak_bytes": rss["peak"], "rss_growth_bytes": rss["peak"] - rss["start"], "compile_s": compile_s,
+    }
+    del step
+    return Record.from_times(section, name, {**shape.as_dict(), **config}, times, **metrics)
+
+
+def _sweep_reps(ctx: Context) -> int:
+    return min(ctx.reps, 3)
+
+
+def length(ctx: Context) -> list[Record]:
+    base = ctx.small
+    lengths = (16, 32, 64) if ctx.quick else (512, 1024, 2048, 4096, 8192) if ctx.gpu else (
+        128, 256, 512, 1024, 2048, 4096)
+    chunk = 16 if ctx.quick else 512
+    settings = {
+        "xla": {"attention": "auto"},
+        "xla+remat": {"attention": "auto", "remat": "full"},
+        "chunked": {"attention": "chunked"},
+        "chunked+remat": {"attention": "chunked", "remat": "full"},
+    }
+    records = []
+    for L in lengths:
+        shape = Shape(1, L, base.d, base.h, base.f, 2)
+        for label, opt in settings.items():
+            remat = opt.get("remat", "none")
+            cfg = stack_config(shape, remat=remat, attention=opt["attention"], attn_chunk_size=chunk,
+                               dtype=ctx.dtype)
+            ctx.log(f"length L={L} {label}")
+            records.append(measure_train_point(ctx, "length", f"L={L} {label}", cfg, shape,
+                                               {"attention": opt["attention"], "remat": remat, "dtype": ctx.dtype},
+                                               reps=_sweep_reps(ctx)))
+    return records
+
+
+def width(ctx: Context) -> list[Record]:
+    widths = (16, 32) if ctx.quick else (512, 1024, 2048) if ctx.gpu else (128, 256, 512, 1024)
+    n, L = (2, 16) if ctx.quick else (8, 2048) if ctx.gpu else (8, 128)
+    records = []
+    for d in widths:
+        h = max(d // 64, 1) if d >= 64 else 2
+        shape = Shape(n, L, d, h, 4 * d, 2)
+        ctx.log(f"width D={d}")
+        records.append(measure_train_point(ctx, "width", f"D={d}", stack_config(shape, dtype=ctx.dtype), shape,
+                                           {"dtype": ctx.dtype}, reps=_sweep_reps(ctx)))
+    return records
+
+
+def depth(ctx: Context) -> list[Record]:
+    base = ctx.small
+    records = []
+    for k in (1, 2) if ctx.quick else (1, 2, 4, 8):
+        shape = Shape(base.n, base.length, base.d, base.h, base.f, k)
+        ctx.log(f"depth K={k}")
+        records.append(measure_train_point(ctx, "depth", f"K={k}", stack_config(shape, dtype=ctx.dtype), shape,
+                                           {"dtype": ctx.dtype}, reps=_sweep_reps(ctx)))
+    return records
+
+
+def _compile_seconds(cfg: Any, shape: Shape) -> tuple[float, float]:
+    """(trace + lower, compile) seconds for a fresh training step: nothing is reused between calls."""
+    params = init_params(cfg, shape)
+    x, valid = make_inputs(shape)
+    step = OursTrain(cfg, params, x, valid)
+    return step.lower_s, step.compile_s
+
+
+def compile_time(ctx: Context) -> list[Record]:
+    base = ctx.small
+    depths = (1, 2) if ctx.quick else (2, 4, 8, 16, 24)
+    reps = 1 if ctx.quick else 2
+    shape0 = Shape(base.n, base.length, base.d, base.h, base.f, 1)
+    _compile_seconds(stack_config(shape0), shape0)  # one-time JAX start-up costs, not counted below
+    records = []
+    for scan in (True, False):
+        first: float | None = None
+        for k in depths:
+            shape = Shape(base.n, base.length, base.d, base.h, base.f, k)
+            cfg = stack_config(shape, scan=scan, dtype=ctx.dtype)
+            ctx.log(f"compile K={k} scan={scan}")
+            runs = [_compile_seconds(cfg, shape) for _ in range(reps)]
+            totals = [lower + comp for lower, comp in runs]
+            med = float(np.median(totals))
+            first = first or med
+            records.append(Record.from_times(
+                "compile", f"K={k} {'scan' if scan else 'unrolled'}", {**shape.as_dict(), "scan": scan}, totals,
+                lower_s=float(np.median([r[0] for r in runs])), compile_s=float(np.median([r[1] for r in runs])),
+                ratio_vs_first=med / first,
+            ))
+    return records

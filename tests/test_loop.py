@@ -1,0 +1,196 @@
+"""The training loop and the pure step it drives: one compile, finite metrics, clipping, deterministic eval,
+overfitting a fixed batch, exact resume, the non-finite locator and the metrics files."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import jax
+import numpy as np
+import optax
+import pytest
+import yaml
+
+from jaxblock.model import Classifier
+from train import data, loop
+from train.checkpoint import load_for_inference
+from train.config import load_config
+from train.metrics import MetricsLog, read_event_records, read_jsonl
+from train.state import create_state, init_params
+from train.step import train_step
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# One step count and model everywhere: equal configs compile equal programs (the compilation cache hits).
+STANDARD = ["parallel.strategy=single", "train.progress=false", "train.steps=10", "checkpoint.every=5",
+            "checkpoint.max_to_keep=5", "train.eval_every=5", "train.log_every=1"]
+NOWHERE = Path("/tmp/jaxblock-plan-only-never-written")
+
+
+def tiny(*overrides: str):
+    return load_config(ROOT / "configs/tiny.yaml", [*STANDARD, *overrides])
+
+
+@pytest.fixture(scope="module")
+def plan() -> loop.Plan:
+    return loop.plan_run(tiny(), NOWHERE)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> tuple[Path, dict]:
+    """A finished standard run: 10 steps, checkpoints at 5 and 10."""
+    workdir = tmp_path_factory.mktemp("reference") / "run"
+    return workdir, loop.train_from_config(tiny(), workdir)
+
+
+def batch_of(split: data.Split, n: int, length: int) -> dict[str, np.ndarray]:
+    rows = split.tokens[:n]
+    tokens = np.zeros((n, length), np.int32)  # [N, L]
+    for i, r in enumerate(rows):
+        tokens[i, :len(r)] = r
+    valid = np.arange(length)[None, :] < np.asarray([len(r) for r in rows])[:, None]  # [N, L]
+    return {"tokens": tokens, "valid_tokens": valid, "labels": split.labels[:n].astype(np.int32)}
+
+
+def test_step_compiles_once_across_steps(plan):
+    compiles: list[str] = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, _secs, **_: compiles.append(event) if "backend_compile" in event else None
+    )
+    state, trainer = plan.initial_state(), loop.Trainer(plan)
+    for step in range(2):  # the first step compiles the step (and small helpers like fold_in)
+        state, _ = plan.runner.train_step(state, trainer.batch(step), jax.random.fold_in(trainer.base_key, step))
+    before = len(compiles)
+    for step in range(2, 7):
+        state, metrics = plan.runner.train_step(state, trainer.batch(step), jax.random.fold_in(trainer.base_key, step))
+    jax.block_until_ready(metrics)
+    assert len(compiles) == before, compiles[before:]
+    assert int(jax.device_get(state.step)) == 7
+
+
+def test_metrics_are_finite_and_complete(plan):
+    trainer = loop.Trainer(plan)
+    _, metrics = plan.runner.train_step(plan.initial_state(), trainer.batch(0), trainer.base_key)
+    m = jax.device_get(metrics)
+    assert set(m) >= {"loss", "accuracy", "grad_norm", "lr", "finite", "nonfinite_consecutive", "tokens"}
+    for key in ("loss", "accuracy", "grad_norm", "lr"):
+        assert np.isfinite(m[key]), key
+    assert 0.5 < float(m["loss"]) < 1.5  # ~log 2 for two balanced classes at init
+    assert bool(m["finite"]) and int(m["nonfinite_consecutive"]) == 0
+    assert int(m["tokens"]) == 32 * 16  # synthetic rows are all full length
+
+
+def test_clipping_bounds_the_update_norm():
+    cfg = tiny("optim.optimizer=sgd", "optim.lr=1.0", "optim.schedule=constant", "optim.warmup_steps=0",
+               "optim.clip_norm=0.01")
+    sgd = loop.plan_run(cfg, NOWHERE)
+    model = Classifier(sgd.config.model)
+    params = init_params(model, 0, 16)
+    state = create_state(model, params, sgd.config.optim, 10)
+    batch = batch_of(sgd.dataset.train, 8, 16)
+    new_state, metrics = jax.jit(train_step)(state, batch, jax.random.key(0))
+    delta = optax.global_norm(jax.tree.map(lambda a, b: a - b, new_state.params, params))
+    assert float(metrics["grad_norm"]) > 0.1  # the raw gradient is far above the clip
+    assert float(delta) == pytest.approx(0.01, rel=1e-4)  # lr 1 x clipped norm, not the raw one
+
+
+def test_eval_is_deterministic_and_batch_size_free(plan):
+    state = plan.initial_state()
+    first = loop.evaluate(plan.runner, state, plan.dataset.validation, plan.config)
+    again = loop.evaluate(plan.runner, state, plan.dataset.validation, plan.config)
+    assert first == again
+    assert first["examples"] == len(plan.dataset.validation) == 100
+    other = plan.config.model_copy(update={"train": plan.config.train.model_copy(update={"batch_size": 7})})
+    regrouped = loop.evaluate(plan.runner, state, plan.dataset.validation, other)
+    assert regrouped["accuracy"] == first["accuracy"]
+    assert regrouped["loss"] == pytest.approx(first["loss"], rel=1e-5)
+
+
+def test_overfits_four_fixed_examples(plan):
+    cfg = plan.config
+    assert cfg.model.block.residual_dropout == cfg.model.block.ffn_dropout == cfg.model.embed_dropout == 0.0
+    optim = cfg.optim.model_copy(update={"lr": 3e-3, "schedule": "constant", "warmup_steps": 0, "weight_decay": 0.0})
+    model = Classifier(cfg.model)
+    state = create_state(model, init_params(model, 0, 16), optim, 150)
+    batch = batch_of(plan.dataset.train, 4, 16)
+    step = jax.jit(train_step, donate_argnums=0)
+    for i in range(150):
+        state, metrics = step(state, batch, jax.random.key(i))
+    assert float(metrics["loss"]) < 0.01
+    assert float(metrics["accuracy"]) == 1.0
+
+
+def test_resume_after_a_lost_tail_matches_uninterrupted_bitwise(reference, tmp_path):
+    """A run killed after its step-5 checkpoint: the step-10 one never landed, its logs ran ahead."""
+    whole_dir, whole = reference
+    cut = tmp_path / "cut"
+    shutil.copytree(whole_dir, cut)
+    shutil.rmtree(cut / "checkpoints/10")
+    (cut / "summary.json").unlink()
+    assert loop.plan_run(tiny(), cut).start_step == 5
+    rest = loop.train_from_config(tiny(), cut)
+    assert rest["session_steps"] == 5
+    for x, y in zip(jax.tree.leaves(load_for_inference(whole_dir)[1]), jax.tree.leaves(load_for_inference(cut)[1]),
+                    strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    assert whole["test_accuracy"] == rest["test_accuracy"]
+    a, b = read_jsonl(whole_dir / "metrics.jsonl"), read_jsonl(cut / "metrics.jsonl")
+    assert [(r["split"], r["step"]) for r in b] == [(r["split"], r["step"]) for r in a]
+    assert [r["loss"] for r in b] == [r["loss"] for r in a]  # recomputed steps 6..10 log the same losses
+
+
+def test_halt_report_names_the_block_sublayer_or_the_bad_tokens(plan):
+    model = Classifier(plan.config.model)
+    params = jax.tree.map(np.array, jax.device_get(init_params(model, 0, 16)))  # writable copies
+    batch = batch_of(plan.dataset.train, 4, 16)
+    assert loop.locate_nonfinite(plan.config, params, batch).startswith("none in the forward pass")
+    params["encoder"]["stack"]["layers_1"]["ffn"]["linear2"]["kernel"][0, 0] = np.nan
+    assert loop.locate_nonfinite(plan.config, params, batch).startswith(
+        "first non-finite value in layer 1 FFN (ffn_branch, 64 values); its input: ")
+    poisoned = {**batch, "tokens": batch["tokens"].copy()}
+    poisoned["tokens"][0, 0] = 99
+    assert re.search(r"the batch has token ids \d+\.\.99 outside \[0, 18\): a corrupt batch or the wrong tokenizer$",
+                     loop.locate_nonfinite(plan.config, params, poisoned))
+
+
+def test_metrics_log_truncates_and_never_duplicates(tmp_path):
+    log = MetricsLog(tmp_path, 0)
+    for step in range(1, 7):
+        log.write("train", step, {"loss": 1.0 / step})
+    log.write("val", 5, {"accuracy": 0.5})
+    log.close()
+    with (tmp_path / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 7, "split": "tra')  # a write torn by a kill
+    resumed = MetricsLog(tmp_path, 4)
+    for step in range(3, 9):  # steps 3-4 are already there; 5-8 are recomputed
+        resumed.write("train", step, {"loss": 2.0})
+    resumed.close()
+    records = read_jsonl(tmp_path / "metrics.jsonl")
+    assert [(r["split"], r["step"]) for r in records] == [("train", s) for s in range(1, 9)]
+    assert [r["loss"] for r in records][2:4] == [1 / 3, 1 / 4]
+    tags = [(v.tag, ev.step) for path in sorted((tmp_path / "tb").iterdir())
+            for _, ev in read_event_records(path) for v in ev.summary.value]
+    assert sorted(tags) == sorted({("train/loss", s) for s in range(1, 9)})
+
+
+def test_run_writes_config_metadata_curves_and_summary(reference):
+    w, summary = reference
+    assert {p.name for p in w.iterdir()} >= {"config.yaml", "run.json", "tokenizer", "checkpoints",
+                                             "metrics.jsonl", "tb", "curves.png", "summary.json"}
+    run = json.loads((w / "run.json").read_text())
+    assert run["sessions"][0]["versions"]["jax"] == jax.__version__
+    assert run["label_names"] == ["no_match", "match"]
+    resolved = yaml.safe_load((w / "config.yaml").read_text())
+    assert resolved["model"]["vocab_size"] == 18 and resolved["model"]["num_classes"] == 2  # from the data
+    assert json.loads((w / "summary.json").read_text()) == summary
+    splits = [(r["split"], r["step"]) for r in read_jsonl(w / "metrics.jsonl") if r["split"] != "train"]
+    assert splits == [("val", 5), ("val", 10), ("test", 10)]
+    assert [r["step"] for r in read_jsonl(w / "metrics.jsonl") if r["split"] == "train"] == list(range(1, 11))
+    assert (w / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert sorted(int(p.name) for p in (w / "checkpoints").iterdir()) == [5, 10]
+    assert "best validation accuracy" in loop.summary_line(summary)
+    assert np.isfinite(summary["test_loss"])

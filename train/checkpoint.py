@@ -1,0 +1,240 @@
+"""Checkpoints of a run: an Orbax CheckpointManager over `<workdir>/checkpoints`, plus the files beside it.
+
+A checkpoint step directory holds three items:
+- `params`: the model parameters;
+- `train`: optimizer state and the step counter;
+- `meta` (JSON): step, the run seed and the label names.
+That is everything needed to continue exactly: the dropout key of step t is fold_in(key(seed), t) and the
+batch of step t is a pure function of (seed, t) (train/data.py), so the step *is* the data position and the
+RNG state; no iterator or key needs saving. Beside the checkpoints, the workdir holds the resolved config
+(`config.yaml`) and the tokenizer (`tokenizer/`), so `evaluate` and `predict` need nothing else.
+
+Orbax writes each save into a temporary directory and renames it when complete; a save killed halfway
+leaves only that temporary directory, which `latest_step` never reports, so a resume always starts from
+the last complete checkpoint.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+import yaml
+from orbax.checkpoint import checkpoint_managers
+
+from jaxblock.model import Classifier
+from train.config import CheckpointConfig, Config, ConfigError, config_from_dict
+from train.state import TrainState, init_params
+from train.tokenizer import Tokenizer, load_tokenizer
+
+CHECKPOINT_DIR = "checkpoints"
+CONFIG_FILE = "config.yaml"
+TOKENIZER_DIR = "tokenizer"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used (missing, incompatible): one line naming the problem and the fix."""
+
+
+def _handlers() -> dict[str, ocp.CheckpointHandler]:
+    return {
+        "params": ocp.StandardCheckpointHandler(),
+        "train": ocp.StandardCheckpointHandler(),
+        "meta": ocp.JsonCheckpointHandler(),
+    }
+
+
+def _preservation(cfg: CheckpointConfig) -> Any:
+    if not cfg.keep_best:
+        return checkpoint_managers.LatestN(n=cfg.max_to_keep)
+    best = checkpoint_managers.BestN(
+        get_metric_fn=_best_fn(cfg),
+        reverse=cfg.best_mode == "min",
+        n=cfg.max_to_keep,
+        keep_checkpoints_without_metrics=False,
+    )
+    # The newest checkpoint always survives as well, so a resume never goes back to an older best one.
+    return checkpoint_managers.AnyPreservationPolicy([checkpoint_managers.LatestN(n=1), best])
+
+
+def has_checkpoint(workdir: Path) -> bool:
+    return latest_step(workdir) is not None
+
+
+def latest_step(workdir: Path) -> int | None:
+    """The newest complete checkpoint step, read without creating or changing anything."""
+    directory = Path(workdir) / CHECKPOINT_DIR
+    if not directory.is_dir():
+        return None
+    with _reader(directory) as manager:
+        return manager.latest_step()
+
+
+def _best_fn(cfg: CheckpointConfig) -> Any:
+    return (lambda metrics: metrics[cfg.best_metric]) if cfg.keep_best else None
+
+
+def _reader(directory: Path, cfg: CheckpointConfig | None = None) -> ocp.CheckpointManager:
+    options = ocp.CheckpointManagerOptions(
+        read_only=True, enable_async_checkpointing=False,
+        best_fn=_best_fn(cfg) if cfg is not None else None, best_mode=cfg.best_mode if cfg is not None else "max",
+    )
+    return ocp.CheckpointManager(directory.absolute(), options=options, item_handlers=_handlers())
+
+
+class Checkpoints:
+    """Save/restore of TrainStates for one workdir (all processes call every method)."""
+
+    def __init__(self, workdir: Path, cfg: CheckpointConfig):
+        self.cfg = cfg
+        self.directory = (Path(workdir) / CHECKPOINT_DIR).absolute()
+        options = ocp.CheckpointManagerOptions(
+            enable_async_checkpointing=cfg.async_save,
+            preservation_policy=_preservation(cfg),
+            # best_fn makes Orbax record each save's metrics in the checkpoint, so the best is known later.
+            best_fn=_best_fn(cfg),
+            best_mode=cfg.best_mode,
+            # Leftovers of a save that was killed halfway are never reported as checkpoints; remove them.
+            cleanup_tmp_directories=True,
+        )
+        self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=_handlers())
+
+    def latest_step(self) -> int | None:
+        return self.manager.latest_step()
+
+    def best_step(self) -> int | None:
+        return best_or_latest(self.manager, self.cfg) if self.manager.latest_step() is not None else None
+
+    def save(self, state: TrainState, meta: dict[str, Any], metrics: dict[str, float] | None = None) -> bool:
+        """Start saving `state` at its step (asynchronously if configured); returns whether it saved."""
+        # Replicated: every process holds a copy, even when the array spans hosts.
+        step = int(np.asarray(state.step.addressable_data(0) if isinstance(state.step, jax.Array) else state.step))
+        if self.cfg.keep_best and metrics is not None and self.cfg.best_metric not in metrics:
+            raise ConfigError(
+                f"checkpoint.best_metric='{self.cfg.best_metric}' is not a recorded metric "
+                f"(have {sorted(metrics)}): choose one of them"
+            )
+        items = ocp.args.Composite(
+            params=ocp.args.StandardSave(state.params),
+            train=ocp.args.StandardSave({"opt_state": state.opt_state, "step": state.step}),
+            meta=ocp.args.JsonSave({**meta, "step": step}),
+        )
+        return bool(self.manager.save(step, args=items, metrics=metrics, force=True))
+
+    def wait(self) -> None:
+        """Block until every started save is complete on disk."""
+        self.manager.wait_until_finished()
+
+    def restore(self, step: int, target: TrainState) -> tuple[TrainState, dict[str, Any]]:
+        """Restore `step` into the shapes, dtypes and shardings of `target` (arrays or ShapeDtypeStructs,
+        e.g. `Runner.abstract_state`): Orbax reads each shard where the target puts it, so a checkpoint
+        saved on one device count or mesh restores onto any other."""
+        abstract = jax.tree.map(_abstract, {"params": target.params, "opt_state": target.opt_state,
+                                            "step": target.step})
+        restored = self.manager.restore(step, args=ocp.args.Composite(
+            params=ocp.args.StandardRestore(abstract["params"]),
+            train=ocp.args.StandardRestore({"opt_state": abstract["opt_state"], "step": abstract["step"]}),
+            meta=ocp.args.JsonRestore(),
+        ))
+        state = target.replace(
+            params=restored["params"], opt_state=restored["train"]["opt_state"], step=restored["train"]["step"]
+        )
+        return state, dict(restored["meta"])
+
+    def close(self) -> None:
+        self.manager.close()
+
+
+def _abstract(x: Any) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
+
+
+def _path_name(path: tuple[Any, ...]) -> str:
+    return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+
+
+def check_compatible(workdir: Path, step: int, params: Any) -> None:
+    """Raise CheckpointError naming the first parameter whose shape differs from `params` (arrays or
+    ShapeDtypeStructs built from the config), or that only one of the two has."""
+    with _reader(Path(workdir) / CHECKPOINT_DIR) as manager:
+        try:
+            saved = manager.item_metadata(step)["params"]
+        except Exception as err:  # Orbax raises assorted errors for unreadable metadata
+            raise CheckpointError(
+                f"checkpoint {step} in {workdir} is unreadable ({err.__class__.__name__}): remove "
+                f"{CHECKPOINT_DIR}/{step} to resume from an older one, or use a new --workdir"
+            ) from None
+    saved_tree = getattr(saved, "tree", saved)
+    have = {_path_name(p): tuple(m.shape) for p, m in jax.tree_util.tree_flatten_with_path(saved_tree)[0]}
+    want = {_path_name(p): tuple(x.shape) for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}
+    fix = "use the run's own config (omit --config to reuse it) or a new --workdir"
+    for name in sorted(set(have) | set(want)):
+        if name not in want:
+            raise CheckpointError(f"checkpoint in {workdir} has parameter {name} that the config lacks: {fix}")
+        if name not in have:
+            raise CheckpointError(f"checkpoint in {workdir} lacks parameter {name} that the config has: {fix}")
+        if have[name] != want[name]:
+            raise CheckpointError(
+                f"checkpoint in {workdir} does not match the config: parameter {name} has shape {have[name]} "
+                f"in the checkpoint but {want[name]} from the config: {fix}"
+            )
+
+
+def read_run_config(workdir: Path) -> Config:
+    """The resolved config saved in a workdir (CheckpointError if missing)."""
+    path = Path(workdir) / CONFIG_FILE
+    if not path.is_file():
+        raise CheckpointError(f"{workdir} holds no run ({CONFIG_FILE} missing): train first with "
+                              f"python -m train --config CONFIG --workdir {workdir}")
+    try:
+        return config_from_dict(yaml.safe_load(path.read_text()) or {})
+    except (yaml.YAMLError, ConfigError) as err:
+        raise CheckpointError(f"{path} is not a valid run config ({err}): restore it from the run") from None
+
+
+def load_for_inference(workdir: Path | str, step: int | None = None) -> tuple[Config, Any, Tokenizer, list[str]]:
+    """(resolved config, params, tokenizer, label names) of a trained run, restored onto one device.
+
+    Uses `step`, else the best checkpoint when the run kept the best ones, else the latest.
+    Raises CheckpointError (one line) when the workdir has no run or no checkpoint.
+    """
+    workdir = Path(workdir)
+    if not workdir.is_dir():
+        raise CheckpointError(f"workdir {workdir} does not exist: pass the --workdir of a trained run")
+    config = read_run_config(workdir)
+    tokenizer = load_tokenizer(workdir / TOKENIZER_DIR)
+    if latest_step(workdir) is None:
+        raise CheckpointError(f"no checkpoint in {workdir}: train first with python -m train "
+                              f"--config CONFIG --workdir {workdir}")
+    with _reader(workdir / CHECKPOINT_DIR, config.checkpoint) as manager:
+        if step is None:
+            step = best_or_latest(manager, config.checkpoint)
+        model = Classifier(config.model)
+        shapes = jax.eval_shape(lambda: init_params(model, 0, config.data.buckets[-1]))
+        check_compatible(workdir, step, shapes)
+        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=device), shapes)
+        restored = manager.restore(step, args=ocp.args.Composite(
+            params=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()
+        ))
+    return config, restored["params"], tokenizer, list(restored["meta"]["label_names"])
+
+
+def inference_state(model: Classifier, params: Any) -> TrainState:
+    """A TrainState for `eval_step` that carries no optimizer state (evaluate/predict)."""
+    return TrainState.create(apply_fn=model.apply, params=params, tx=optax.identity(), lr_schedule=lambda _: 0.0)
+
+
+def best_or_latest(manager: ocp.CheckpointManager, cfg: CheckpointConfig) -> int:
+    """The best checkpoint by `cfg.best_metric` when keeping the best (the manager must have been opened
+    with that config), else the newest."""
+    step = manager.best_step() if cfg.keep_best else None
+    if step is None:
+        step = manager.latest_step()
+    if step is None:
+        raise CheckpointError(f"no checkpoint in {manager.directory}: train first")
+    return int(step)

@@ -1,0 +1,194 @@
+"""What a run records: JSONL metrics, TensorBoard events, a progress bar, and the end-of-run curves.
+
+Files in the workdir: `metrics.jsonl` (one JSON object per line: step, split, values), `tb/` (TensorBoard
+event files, tags `split/name`), `curves.png`. Every (split, step) is recorded exactly once: a resumed
+run first drops whatever an interrupted run wrote past the restored step (it will be recomputed), and
+never writes a (split, step) that is already there.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+JSONL_FILE = "metrics.jsonl"
+TB_DIR = "tb"
+CURVES_FILE = "curves.png"
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """The complete records of a metrics file; a torn last line (a killed write) is ignored."""
+    if not path.is_file():
+        return []
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict) and "step" in record and "split" in record:
+            records.append(record)
+    return records
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def read_event_records(path: Path) -> list[tuple[bytes, Any]]:
+    """Raw TFRecord frames of an event file with their parsed events (tensorboardX's Event proto);
+    stops at a torn tail."""
+    from tensorboardX.proto import event_pb2
+
+    data = path.read_bytes()
+    out, pos = [], 0
+    while pos + 12 <= len(data):
+        (length,) = struct.unpack("<Q", data[pos:pos + 8])
+        end = pos + 12 + length + 4
+        if end > len(data):
+            break
+        event = event_pb2.Event()
+        try:
+            event.ParseFromString(data[pos + 12:pos + 12 + length])
+        except Exception:  # protobuf's DecodeError: a corrupt frame ends the readable part
+            break
+        out.append((data[pos:end], event))
+        pos = end
+    return out
+
+
+def truncate_events(directory: Path, last_step: int) -> set[tuple[str, int]]:
+    """Drop TensorBoard scalars recorded after `last_step`; return the (tag, step) pairs kept."""
+    kept_pairs: set[tuple[str, int]] = set()
+    if not directory.is_dir():
+        return kept_pairs
+    for path in sorted(directory.glob("events.out.tfevents.*")):
+        records = read_event_records(path)
+        kept = [(raw, ev) for raw, ev in records if ev.step <= last_step]
+        for _, ev in kept:
+            kept_pairs.update((v.tag, ev.step) for v in ev.summary.value)
+        if len(kept) != len(records) or sum(len(raw) for raw, _ in records) != path.stat().st_size:
+            _atomic_write(path, b"".join(raw for raw, _ in kept))
+    return kept_pairs
+
+
+class MetricsLog:
+    """JSONL + TensorBoard writer for one process (pass enabled=False on non-primary processes)."""
+
+    def __init__(self, workdir: Path, resume_step: int, enabled: bool = True):
+        self.enabled = enabled
+        self.path = Path(workdir) / JSONL_FILE
+        self._seen: set[tuple[str, int]] = set()
+        self._tb_seen: set[tuple[str, int]] = set()
+        self._file: Any = None
+        self._tb: Any = None
+        if not enabled:
+            return
+        records = [r for r in read_jsonl(self.path) if r["step"] <= resume_step]
+        _atomic_write(self.path, "".join(json.dumps(r) + "\n" for r in records).encode())
+        self._seen = {(r["split"], r["step"]) for r in records}
+        self._tb_seen = truncate_events(Path(workdir) / TB_DIR, resume_step)
+        self._file = open(self.path, "a")  # noqa: SIM115 - held open for the whole run, closed in close()
+        # Imported here: tensorboardX imports torch when it is installed, seconds that only a writer needs.
+        from tensorboardX import SummaryWriter
+
+        # A distinct file per session: the default name has one-second resolution, and a writer reusing an
+        # existing name would overwrite the steps kept from the previous session.
+        self._tb = SummaryWriter(str(Path(workdir) / TB_DIR), flush_secs=30,
+                                 filename_suffix=f".from{resume_step}.{time.time_ns()}")
+
+    def has(self, split: str, step: int) -> bool:
+        return (split, step) in self._seen
+
+    def write(self, split: str, step: int, values: dict[str, float]) -> None:
+        if not self.enabled or (split, step) in self._seen:
+            return
+        self._seen.add((split, step))
+        clean = {k: (float(v) if math.isfinite(float(v)) else str(float(v))) for k, v in values.items()}
+        self._file.write(json.dumps({"step": step, "split": split, **clean}) + "\n")
+        self._file.flush()
+        assert self._tb is not None
+        for name, value in values.items():
+            tag = f"{split}/{name}"
+            if (tag, step) not in self._tb_seen:
+                self._tb.add_scalar(tag, float(value), step)
+                self._tb_seen.add((tag, step))
+
+    def flush(self) -> None:
+        """Make everything written so far durable (called before each checkpoint, so a kill after the
+        checkpoint loses nothing it covers)."""
+        if not self.enabled:
+            return
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        assert self._tb is not None
+        self._tb.flush()
+
+    def close(self) -> None:
+        if not self.enabled:
+            return
+        self.flush()
+        self._file.close()
+        assert self._tb is not None
+        self._tb.close()
+
+
+class Progress:
+    """A tqdm bar on stderr with loss/accuracy/tokens per second; its ETA comes from tqdm."""
+
+    def __init__(self, total: int, start: int, enabled: bool):
+        self.bar = tqdm(total=total, initial=start, disable=not enabled, file=sys.stderr, unit="step",
+                        dynamic_ncols=True, leave=True)
+
+    def update(self, steps: int, values: dict[str, float]) -> None:
+        self.bar.set_postfix({k: f"{v:.4g}" for k, v in values.items()}, refresh=False)
+        self.bar.update(steps)
+
+    def write(self, line: str) -> None:
+        self.bar.write(line, file=sys.stderr)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def plot_curves(workdir: Path) -> Path | None:
+    """Training and validation loss and accuracy by step, from metrics.jsonl, into curves.png."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = read_jsonl(Path(workdir) / JSONL_FILE)
+    if not records:
+        return None
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, name in zip(axes, ("loss", "accuracy"), strict=True):
+        for split, style in (("train", "-"), ("val", "o-")):
+            points = [(r["step"], r[name]) for r in records
+                      if r["split"] == split and isinstance(r.get(name), float)]
+            if points:
+                xs, ys = zip(*sorted(points), strict=True)
+                ax.plot(xs, ys, style, label=split, markersize=3)
+        ax.set_xlabel("step")
+        ax.set_ylabel(name)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(Path(workdir).name)
+    fig.tight_layout()
+    out = Path(workdir) / CURVES_FILE
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
