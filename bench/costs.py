@@ -2,7 +2,9 @@
 
 length  L = 128 ... 4096 for one sequence (N=1), K=2: projections, FFN and activations grow as L,
         attention's FLOPs and its [L, L] scores as L². Four attention/memory settings: XLA attention,
-        XLA + remat, chunked (flash-style, [L, C] blocks), chunked + remat.
+        XLA + remat, chunked (flash-style, [L, C] blocks), chunked + remat (remat always with scan over
+        layers), and on a GPU 'auto' (cuDNN).
+        On a CPU, 'auto' itself picks chunked from L = 4 * attn_chunk_size = 2048 on.
 width   D = 128 ... 1024 (H = D/64, F = 4D) at N=8, L=128, K=2.
 depth   K = 1 ... 8 at the first benchmark shape.
 compile time to trace and compile the training step vs K, with and without scan over layers.
@@ -19,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from bench.compare import PROBE, needs_peak
 from bench.context import Context
 from bench.flops import executed_train_flops, train_flops
 from bench.measure import Record, compiled_memory, peak_rss, time_interleaved
@@ -34,14 +37,19 @@ def measure_train_point(ctx: Context, section: str, name: str, cfg: Any, shape: 
     start = time.perf_counter()
     step = OursTrain(cfg, params, x, valid)
     compile_s = time.perf_counter() - start
+    fns: dict[str, Any] = {name: step}
+    if ctx.dtype in ctx.probe:  # the peak matmul, timed beside the step under the same load
+        fns[PROBE] = ctx.probe[ctx.dtype][1]
     with peak_rss() as rss:
-        times = time_interleaved({name: step}, reps=reps or ctx.reps, warmup=ctx.warmup)[name]
+        all_times = time_interleaved(fns, reps=reps or ctx.reps, warmup=ctx.warmup)
+    times = all_times[name]
     med = float(np.median(times))
+    peak_now = ctx.probe[ctx.dtype][0] / float(np.median(all_times[PROBE])) if PROBE in all_times else None
     flops = train_flops(cfg, shape.n, shape.length)
     metrics: dict[str, Any] = {
         "tokens_per_s": shape.n * shape.length / med, "gflop_per_s": flops / med / 1e9,
         "executed_gflop_per_s": executed_train_flops(cfg, shape.n, shape.length) / med / 1e9,
-        **ctx.fraction(flops / med), **compiled_memory(step.compiled),
+        **ctx.fraction(flops / med, peak_now), **compiled_memory(step.compiled),
         "rss_peak_bytes": rss["peak"], "rss_growth_bytes": rss["peak"] - rss["start"], "compile_s": compile_s,
     }
     del step
@@ -53,26 +61,30 @@ def _sweep_reps(ctx: Context) -> int:
 
 
 def length(ctx: Context) -> list[Record]:
+    records = needs_peak(ctx)
     base = ctx.small
     lengths = (16, 32, 64) if ctx.quick else (512, 1024, 2048, 4096, 8192) if ctx.gpu else (
         128, 256, 512, 1024, 2048, 4096)
     chunk = 16 if ctx.quick else 512
     settings = {
-        "xla": {"attention": "auto"},
-        "xla+remat": {"attention": "auto", "remat": "full"},
+        "xla": {"attention": "xla"},
+        "xla+remat": {"attention": "xla", "remat": "full"},
         "chunked": {"attention": "chunked"},
-        "chunked+remat": {"attention": "chunked", "remat": "full"},
+        "chunked+remat": {"attention": "chunked", "remat": "full"},  # remat with scan: see options.py
     }
-    records = []
+    if ctx.gpu:  # 'auto' is cuDNN's flash attention there
+        settings = {"auto": {"attention": "auto"}, **settings}
     for L in lengths:
         shape = Shape(1, L, base.d, base.h, base.f, 2)
         for label, opt in settings.items():
             remat = opt.get("remat", "none")
-            cfg = stack_config(shape, remat=remat, attention=opt["attention"], attn_chunk_size=chunk,
+            scan = remat != "none"  # XLA's CPU scheduler saves no memory with remat unless layers are scanned
+            cfg = stack_config(shape, scan=scan, remat=remat, attention=opt["attention"], attn_chunk_size=chunk,
                                dtype=ctx.dtype)
             ctx.log(f"length L={L} {label}")
             records.append(measure_train_point(ctx, "length", f"L={L} {label}", cfg, shape,
-                                               {"attention": opt["attention"], "remat": remat, "dtype": ctx.dtype},
+                                               {"attention": opt["attention"], "remat": remat, "scan": scan,
+                                                "dtype": ctx.dtype},
                                                reps=_sweep_reps(ctx)))
     return records
 
@@ -80,7 +92,7 @@ def length(ctx: Context) -> list[Record]:
 def width(ctx: Context) -> list[Record]:
     widths = (16, 32) if ctx.quick else (512, 1024, 2048) if ctx.gpu else (128, 256, 512, 1024)
     n, L = (2, 16) if ctx.quick else (8, 2048) if ctx.gpu else (8, 128)
-    records = []
+    records = needs_peak(ctx)
     for d in widths:
         h = max(d // 64, 1) if d >= 64 else 2
         shape = Shape(n, L, d, h, 4 * d, 2)
@@ -92,7 +104,7 @@ def width(ctx: Context) -> list[Record]:
 
 def depth(ctx: Context) -> list[Record]:
     base = ctx.small
-    records = []
+    records = needs_peak(ctx)
     for k in (1, 2) if ctx.quick else (1, 2, 4, 8):
         shape = Shape(base.n, base.length, base.d, base.h, base.f, k)
         ctx.log(f"depth K={k}")

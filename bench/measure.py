@@ -9,6 +9,7 @@ processes lands on all of them alike and the ratio of medians stays meaningful o
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import threading
 import time
@@ -37,8 +38,10 @@ class Record:
     def from_times(
         cls, section: str, name: str, config: dict[str, Any], times: list[float], **metrics: Any
     ) -> Record:
+        # The 1-minute load average: on a shared machine it says how contended each measurement was.
+        load = {"load_1min": round(os.getloadavg()[0], 2)} if hasattr(os, "getloadavg") else {}
         return cls(section, name, config, statistics.median(times), min(times), max(times), len(times),
-                   metrics=dict(metrics))
+                   metrics={**metrics, **load})
 
 
 def time_interleaved(
@@ -72,8 +75,6 @@ def rss_bytes() -> int:
         return int(psutil.Process().memory_info().rss)
     except ImportError:
         with open("/proc/self/statm") as f:
-            import os
-
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 

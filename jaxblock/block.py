@@ -97,7 +97,9 @@ def settle_gradient(x: jax.Array, one: jax.Array) -> jax.Array:
     later block, and XLA's CPU fusion otherwise re-derives it inside each of its consumers (the norm
     reductions, the input-gradient matmul and the transposed copy feeding each weight gradient):
     O(K^2) elementwise work with strided reads. A division is an op XLA will not duplicate, so the
-    gradient is computed once per residual point and stored.
+    gradient is computed once per residual point and stored. Measured on a 2-core CPU, float32 training
+    step (python -m bench --only options: "no settle_gradient"): Pre-LN 1.20x faster at N16 L128 D256 K4
+    and 1.15x at N8 L256 D512 K4; Post-LN unchanged (0.99x). Values and gradients are bitwise the same.
     """
     return x
 

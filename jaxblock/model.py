@@ -22,6 +22,9 @@ from jaxblock.initializers import param
 from jaxblock.norms import make_norm
 from jaxblock.positions import sinusoidal_table
 
+# Remat lowers peak memory only together with scan_layers on XLA's CPU backend: with unrolled layers
+# its scheduler runs the recomputed forward early, so the step recomputes and keeps as much live
+# (measured: N=4 L=512 D=256 K=4 step plans 436 MiB with or without remat; scan + remat full 166 MiB).
 _REMAT_POLICIES = {
     "full": None,  # save nothing: recompute the whole block in the backward pass
     "dots": jax.checkpoint_policies.dots_saveable,

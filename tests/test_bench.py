@@ -117,7 +117,7 @@ def test_every_section_runs_in_quick_mode(tmp_path):
     for r in records:
         assert set(r) == FIELDS
     options = {r["name"]: r["metrics"] for r in records if r["section"] == "options"}
-    assert options["default"]["speedup"] == 1.0 and "remat full" in options and "scan" in options
+    assert options["default"]["speedup"] == 1.0 and "scan + remat full" in options and "scan" in options
     packing = {r["name"]: r["metrics"] for r in records if r["section"] == "packing"}
     assert packing["packed"]["padding_fraction"] < packing["padded (buckets)"]["padding_fraction"]
     compile_names = {r["name"] for r in records if r["section"] == "compile"}

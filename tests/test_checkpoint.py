@@ -129,15 +129,18 @@ def _run(workdir: Path, devices: int, steps: int) -> subprocess.CompletedProcess
     env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "JAX_PLATFORMS": "cpu"}
     args = [sys.executable, "-m", "train", "--config", str(ROOT / "configs/tiny.yaml"), "--workdir", str(workdir),
             f"train.steps={steps}", "checkpoint.every=4", "train.eval_every=4", "train.progress=false",
-            # SGD: Adam's normalisation would magnify the last-bit differences of sharded reductions.
-            "optim.optimizer=sgd", "optim.lr=0.1"]
+            # SGD: Adam's normalisation would magnify the last-bit differences of sharded reductions;
+            # a constant rate: stopping at 4 and 8 of 12 must not change the schedule.
+            "optim.optimizer=sgd", "optim.lr=0.1", "optim.schedule=constant", "optim.warmup_steps=0"]
+    if devices > 1:  # FSDP: parameters and optimizer state really are split over the devices
+        args += ["parallel.strategy=sharded", "parallel.mesh.data=1", "parallel.mesh.fsdp=-1"]
     return subprocess.run(args, env=env, capture_output=True, text=True)
 
 
 @pytest.mark.slow
 def test_cli_restores_across_device_counts_8_1_8(tmp_path):
-    """The same run continued on 8, then 1, then 8 devices equals one run on 1 device (up to the order of
-    floating-point reductions across devices)."""
+    """The same run continued on 8 (FSDP), then 1, then 8 devices equals one run on 1 device (up to the
+    order of floating-point reductions across devices)."""
     for steps, devices in ((4, 8), (8, 1), (12, 8)):
         done = _run(tmp_path / "moved", devices, steps)
         assert done.returncode == 0, done.stderr

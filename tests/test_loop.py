@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # One step count and model everywhere: equal configs compile equal programs (the compilation cache hits).
 STANDARD = ["parallel.strategy=single", "train.progress=false", "train.steps=10", "checkpoint.every=5",
-            "checkpoint.max_to_keep=5", "train.eval_every=5", "train.log_every=1"]
+            "checkpoint.max_to_keep=5", "train.eval_every=5", "train.log_every=1", "train.diagnostics_every=5"]
 NOWHERE = Path("/tmp/jaxblock-plan-only-never-written")
 
 
@@ -93,7 +93,7 @@ def test_clipping_bounds_the_update_norm():
     state = create_state(model, params, sgd.config.optim, 10)
     batch = batch_of(sgd.dataset.train, 8, 16)
     new_state, metrics = jax.jit(train_step)(state, batch, jax.random.key(0))
-    delta = optax.global_norm(jax.tree.map(lambda a, b: a - b, new_state.params, params))
+    delta = optax.tree.norm(jax.tree.map(lambda a, b: a - b, new_state.params, params))
     assert float(metrics["grad_norm"]) > 0.1  # the raw gradient is far above the clip
     assert float(delta) == pytest.approx(0.01, rel=1e-4)  # lr 1 x clipped norm, not the raw one
 
@@ -140,7 +140,10 @@ def test_resume_after_a_lost_tail_matches_uninterrupted_bitwise(reference, tmp_p
     assert whole["test_accuracy"] == rest["test_accuracy"]
     a, b = read_jsonl(whole_dir / "metrics.jsonl"), read_jsonl(cut / "metrics.jsonl")
     assert [(r["split"], r["step"]) for r in b] == [(r["split"], r["step"]) for r in a]
-    assert [r["loss"] for r in b] == [r["loss"] for r in a]  # recomputed steps 6..10 log the same losses
+    def timeless(records: list[dict]) -> list[dict]:
+        return [{k: v for k, v in r.items() if k != "tokens_per_s"} for r in records]
+
+    assert timeless(b) == timeless(a)  # recomputed steps 6..10 log exactly the same values
 
 
 def test_halt_report_names_the_block_sublayer_or_the_bad_tokens(plan):
@@ -187,8 +190,13 @@ def test_run_writes_config_metadata_curves_and_summary(reference):
     resolved = yaml.safe_load((w / "config.yaml").read_text())
     assert resolved["model"]["vocab_size"] == 18 and resolved["model"]["num_classes"] == 2  # from the data
     assert json.loads((w / "summary.json").read_text()) == summary
-    splits = [(r["split"], r["step"]) for r in read_jsonl(w / "metrics.jsonl") if r["split"] != "train"]
-    assert splits == [("val", 5), ("val", 10), ("test", 10)]
+    records = read_jsonl(w / "metrics.jsonl")
+    assert [(r["split"], r["step"]) for r in records if r["split"] != "train"] == [
+        ("diag", 5), ("val", 5), ("diag", 10), ("val", 10), ("test", 10)]
+    diag = next(r for r in records if r["split"] == "diag")
+    assert {"residual_ratio/attn/layer_1", "residual_ratio/ffn/layer_0", "grad_norm/input/layer_0",
+            "grad_norm/params/layer_1"} <= set(diag)
+    assert 0 < diag["residual_ratio/ffn/layer_0"] < 10 and diag["grad_norm/params/layer_1"] > 0
     assert [r["step"] for r in read_jsonl(w / "metrics.jsonl") if r["split"] == "train"] == list(range(1, 11))
     assert (w / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert sorted(int(p.name) for p in (w / "checkpoints").iterdir()) == [5, 10]

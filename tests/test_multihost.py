@@ -107,9 +107,13 @@ def test_cli_two_processes_train_like_one_and_one_process_resumes_and_evaluates(
 
     run_processes([train(one, "train.steps=10")], child_env(8), ROOT)
     port = free_port()
-    run_processes([train(two, "train.steps=8", f"parallel.coordinator=127.0.0.1:{port}", "parallel.num_processes=2",
-                         f"parallel.process_id={i}") for i in range(2)], child_env(4), ROOT)
+    first, second = run_processes([train(two, "train.steps=8", f"parallel.coordinator=127.0.0.1:{port}",
+                                         "parallel.num_processes=2", f"parallel.process_id={i}") for i in range(2)],
+                                  child_env(4), ROOT)
     assert sorted(train_losses(two)) == list(range(1, 9))
+    # Process 0 speaks for the run; process 1 prints none of the run's lines.
+    assert "step 8: validation accuracy" in first and "test accuracy" in first
+    assert "validation accuracy" not in second and "test accuracy" not in second and "steps in" not in second
     single = ["parallel.coordinator=null", "parallel.num_processes=null", "parallel.process_id=null"]
     run_processes([train(two, "train.steps=10", *single)], child_env(8), ROOT)
     want, got = train_losses(one), train_losses(two)
@@ -123,3 +127,29 @@ def test_cli_two_processes_train_like_one_and_one_process_resumes_and_evaluates(
     records = [json.loads(x) for x in (two / "metrics.jsonl").read_text().splitlines()]
     test = next(r for r in records if r["split"] == "test" and r["step"] == 10)
     assert abs(float(line.split("loss ")[1].split()[0]) - test["loss"]) <= 1e-4  # printed to 4 decimals
+
+
+@pytest.mark.slow
+def test_two_process_fsdp_halt_names_the_sublayer_and_saves_nothing_non_finite(tmp_path: Path) -> None:
+    """train.nonfinite=halt with parameters sharded across both processes: the locator gathers them from
+    every process, process 0 names the block/sublayer, both exit 1, and no checkpoint holds the bad state."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "train", "--config", "configs/tiny.yaml", "--workdir", str(tmp_path),
+           "train.progress=false", "train.steps=6", "checkpoint.every=2", "train.eval_every=100",
+           "parallel.mesh.fsdp=2", "train.nonfinite=halt", "optim.lr=1e30", "optim.schedule=constant",
+           "optim.warmup_steps=0", f"parallel.coordinator=127.0.0.1:{port}",
+           "parallel.num_processes=2"]
+    env = child_env(4)
+    procs = [subprocess.Popen([*cmd, f"parallel.process_id={i}"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    try:
+        outs = [p.communicate(timeout=TIMEOUT)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert [p.returncode for p in procs] == [1, 1], outs
+    assert "non-finite" in outs[0] and "layer" in outs[0], outs[0]
+    ckpt_dir = tmp_path / "checkpoints"
+    steps = sorted(int(p.name) for p in ckpt_dir.iterdir() if p.name.isdigit()) if ckpt_dir.is_dir() else []
+    assert steps in ([], [2], [2, 4]), steps  # whatever was saved came before the first non-finite step

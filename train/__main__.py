@@ -91,6 +91,10 @@ def cmd_train(argv: list[str]) -> int:
 
     initialize_distributed(config.parallel)  # multi-host: before anything touches a device
     summary = loop.train_from_config(config, Path(args.workdir))
+    from train.parallel import is_primary
+
+    if not is_primary():  # one process speaks for a multi-host run
+        return 0
     if summary.get("preempted"):
         print(f"stopped by signal at step {summary['step']}: checkpoint saved to {summary['checkpoint']}; "
               "rerun the same command to continue")

@@ -113,11 +113,6 @@ class Checkpoints:
         """Start saving `state` at its step (asynchronously if configured); returns whether it saved."""
         # Replicated: every process holds a copy, even when the array spans hosts.
         step = int(np.asarray(state.step.addressable_data(0) if isinstance(state.step, jax.Array) else state.step))
-        if self.cfg.keep_best and metrics is not None and self.cfg.best_metric not in metrics:
-            raise ConfigError(
-                f"checkpoint.best_metric='{self.cfg.best_metric}' is not a recorded metric "
-                f"(have {sorted(metrics)}): choose one of them"
-            )
         items = ocp.args.Composite(
             params=ocp.args.StandardSave(state.params),
             train=ocp.args.StandardSave({"opt_state": state.opt_state, "step": state.step}),

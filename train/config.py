@@ -83,11 +83,12 @@ class OptimConfig(_Section):
 
 
 class TrainConfig(_Section):
-    seed: int = 0
+    seed: int = Field(0, description="Init, batch order and dropout: step t uses batch (seed, t) and dropout "
+                      "key fold_in(key(seed), t), so a resumed run repeats exactly what it would have done.")
     batch_size: int = Field(32, gt=0, description="Global batch (all devices, all hosts).")
-    steps: int = Field(1000, gt=0)
+    steps: int = Field(1000, gt=0, description="Optimizer steps in all; raise it and rerun to train a run further.")
     eval_every: int = Field(200, gt=0, description="Validation every N steps (and at the end).")
-    log_every: int = Field(10, gt=0)
+    log_every: int = Field(10, gt=0, description="Training metrics (means over the last N steps) every N steps.")
     nonfinite: Literal["skip", "halt"] = Field(
         "skip", description="skip: drop a non-finite update; halt: stop at the first one."
     )
@@ -101,11 +102,16 @@ class TrainConfig(_Section):
 
 class CheckpointConfig(_Section):
     every: int = Field(200, gt=0, description="Save every N steps (and at the end).")
-    max_to_keep: int = Field(3, ge=1)
-    keep_best: bool = Field(False, description="Keep the best checkpoints by `best_metric` instead of newest.")
-    best_metric: str = "val_accuracy"
-    best_mode: Literal["max", "min"] = "max"
-    async_save: bool = True
+    max_to_keep: int = Field(3, ge=1, description="Checkpoints kept (the newest, or the best with keep_best).")
+    keep_best: bool = Field(
+        False, description="Keep the best `max_to_keep` by `best_metric` (plus the newest, to resume from); "
+        "evaluate/predict and the final test use the best."
+    )
+    best_metric: Literal["val_accuracy", "val_loss"] = Field(
+        "val_accuracy", description="Validation metric ranking checkpoints (saves at eval steps carry it)."
+    )
+    best_mode: Literal["max", "min"] = Field("max", description="max for accuracy, min for loss.")
+    async_save: bool = Field(True, description="Write checkpoints in the background (Orbax async).")
 
 
 MESH_AXES = ("data", "fsdp", "tensor")

@@ -19,13 +19,9 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
-import subprocess
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +31,7 @@ import numpy as np
 import yaml
 from jax.experimental import multihost_utils
 
-from jaxblock.diagnostics import first_nonfinite
+from jaxblock.diagnostics import first_nonfinite, grad_norms_by_depth, residual_ratios
 from jaxblock.model import Classifier
 from train import data
 from train.checkpoint import (
@@ -49,9 +45,10 @@ from train.checkpoint import (
     read_run_config,
 )
 from train.config import Config, ConfigError, config_from_dict
-from train.metrics import MetricsLog, Progress, plot_curves, read_jsonl
+from train.metrics import MetricsLog, Progress, atomic_write, plot_curves, read_jsonl, run_metadata
 from train.parallel import Runner, initialize_distributed, is_primary, make_runner
 from train.state import TrainState, create_state, init_params
+from train.step import classification_loss
 
 RUN_FILE = "run.json"
 SUMMARY_FILE = "summary.json"
@@ -140,45 +137,10 @@ def plan_run(config: Config, workdir: Path) -> Plan:
 # --- writing the run's files ---------------------------------------------------------------------
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
-def _git_commit() -> str | None:
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True,
-                             text=True, timeout=5, check=False)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out.stdout.strip() or None
-
-
-def run_metadata(start_step: int) -> dict[str, Any]:
-    import flax
-    import optax
-    import orbax.checkpoint
-
-    return {
-        "started": datetime.now(UTC).isoformat(timespec="seconds"),
-        "start_step": start_step,
-        "argv": sys.argv,
-        "host": socket.gethostname(),
-        "python": sys.version.split()[0],
-        "versions": {"jax": jax.__version__, "flax": flax.__version__, "optax": optax.__version__,
-                     "orbax-checkpoint": orbax.checkpoint.__version__, "numpy": np.__version__},
-        "backend": jax.default_backend(),
-        "devices": [str(d) for d in jax.devices()],
-        "process_count": jax.process_count(),
-        "git_commit": _git_commit(),
-    }
-
-
 def write_run_files(plan: Plan) -> None:
     """Resolved config, tokenizer and a session record in run.json (primary process only)."""
     plan.workdir.mkdir(parents=True, exist_ok=True)
-    _write_atomic(plan.workdir / CONFIG_FILE, yaml.safe_dump(plan.config.model_dump(mode="json"), sort_keys=False))
+    atomic_write(plan.workdir / CONFIG_FILE, yaml.safe_dump(plan.config.model_dump(mode="json"), sort_keys=False))
     if not (plan.workdir / TOKENIZER_DIR).is_dir():
         plan.dataset.tokenizer.save(plan.workdir / TOKENIZER_DIR)
     path = plan.workdir / RUN_FILE
@@ -186,7 +148,7 @@ def write_run_files(plan: Plan) -> None:
     record["label_names"] = plan.dataset.label_names
     record["truncated"] = plan.dataset.truncated
     record["sessions"].append(run_metadata(plan.start_step))
-    _write_atomic(path, json.dumps(record, indent=2) + "\n")
+    atomic_write(path, json.dumps(record, indent=2) + "\n")
 
 
 # --- evaluation --------------------------------------------------------------------------------
@@ -333,13 +295,29 @@ class Trainer:
                 self.window = {}
                 self.window_start = time.perf_counter()
 
+    def host_params(self, state: TrainState) -> Any:
+        """The parameters as host arrays (gathered from every process when sharded across hosts)."""
+        params = self.runner.unreplicate(state).params
+        if not all(x.is_fully_addressable for x in jax.tree.leaves(params)):
+            params = multihost_utils.process_allgather(params, tiled=True)
+        return jax.device_get(params)
+
+    def diagnose(self, state: TrainState, done: int, log: MetricsLog) -> None:
+        """train.diagnostics_every: per-layer residual ratios and gradient norms by depth on this step's
+        batch (jaxblock.diagnostics, eval mode), recorded as split 'diag'."""
+        params = self.host_params(state)  # every process takes part in the gather
+        if not self.primary:
+            return
+        model, batch = Classifier(self.cfg.model), self.batch(done - 1)
+        ratios = residual_ratios(model, {"params": params}, batch)
+        grads = grad_norms_by_depth(model, {"params": params}, batch,
+                                    lambda logits, b: classification_loss(logits, b["labels"])[0])
+        log.write("diag", done, {**ratios.as_metrics(), **grads.as_metrics()})
+
     def halt(self, state: TrainState, done: int, m: dict[str, float]) -> None:
         """Stop without saving; name the first non-finite block/sublayer on the step's own batch."""
         tcfg = self.cfg.train
-        params = self.runner.unreplicate(state).params
-        if not all(x.is_fully_addressable for x in jax.tree.leaves(params)):  # sharded over several hosts
-            params = multihost_utils.process_allgather(params, tiled=True)
-        where = locate_nonfinite(self.cfg, jax.device_get(params), self.batch(done - 1))
+        where = locate_nonfinite(self.cfg, self.host_params(state), self.batch(done - 1))
         why = ("train.nonfinite=halt" if tcfg.nonfinite == "halt"
                else f"{int(m['nonfinite_consecutive'])} consecutive non-finite steps (train.max_nonfinite)")
         if self.ckpts is not None:
@@ -371,7 +349,7 @@ class Trainer:
         else:
             state = plan.initial_state()
         log = MetricsLog(plan.workdir, plan.start_step, enabled=self.primary)
-        progress = Progress(tcfg.steps, plan.start_step, enabled=self.primary and tcfg.progress)
+        progress = Progress(tcfg.steps, plan.start_step, bar=self.primary and tcfg.progress, lines=self.primary)
         if self.primary:
             progress.write(f"{plan.dataset.summary()}; run in {plan.workdir}"
                            + (f", resuming from step {plan.start_step}" if plan.start_step else ""))
@@ -391,6 +369,8 @@ class Trainer:
                     if (preempted or eval_now or save_now or done % tcfg.log_every == 0
                             or len(self.pending) >= tcfg.sync_every):
                         self.drain(state, log, progress)
+                    if tcfg.diagnostics_every and done % tcfg.diagnostics_every == 0:
+                        self.diagnose(state, done, log)
                     val = None
                     if eval_now:
                         val = evaluate(self.runner, state, plan.dataset.validation, cfg)
@@ -442,7 +422,7 @@ class Trainer:
             "test_checkpoint_step": test_step, "workdir": str(plan.workdir),
         }
         if self.primary:
-            _write_atomic(plan.workdir / SUMMARY_FILE, json.dumps(summary, indent=2) + "\n")
+            atomic_write(plan.workdir / SUMMARY_FILE, json.dumps(summary, indent=2) + "\n")
             plot_curves(plan.workdir)
         return summary
 

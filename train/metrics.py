@@ -1,4 +1,5 @@
-"""What a run records: JSONL metrics, TensorBoard events, a progress bar, and the end-of-run curves.
+"""What a run records: JSONL metrics, TensorBoard events, a progress bar, the end-of-run curves, and the
+per-session metadata (versions, devices, git commit) that goes into run.json.
 
 Files in the workdir: `metrics.jsonl` (one JSON object per line: step, split, values), `tb/` (TensorBoard
 event files, tags `split/name`), `curves.png`. Every (split, step) is recorded exactly once: a resumed
@@ -11,9 +12,12 @@ from __future__ import annotations
 import json
 import math
 import os
+import socket
 import struct
+import subprocess
 import sys
 import time
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -39,10 +43,11 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
     return records
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
+def atomic_write(path: Path, data: bytes | str) -> None:
+    """Write a whole file or nothing: a kill mid-write leaves the previous version in place."""
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as f:
-        f.write(data)
+        f.write(data.encode() if isinstance(data, str) else data)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
@@ -81,8 +86,40 @@ def truncate_events(directory: Path, last_step: int) -> set[tuple[str, int]]:
         for _, ev in kept:
             kept_pairs.update((v.tag, ev.step) for v in ev.summary.value)
         if len(kept) != len(records) or sum(len(raw) for raw, _ in records) != path.stat().st_size:
-            _atomic_write(path, b"".join(raw for raw, _ in kept))
+            atomic_write(path, b"".join(raw for raw, _ in kept))
     return kept_pairs
+
+
+def _git_commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True,
+                             text=True, timeout=5, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None
+
+
+def run_metadata(start_step: int) -> dict[str, Any]:
+    """One session's record for run.json: when, what ran it, versions, devices, git commit."""
+    import flax
+    import jax
+    import numpy as np
+    import optax
+    import orbax.checkpoint
+
+    return {
+        "started": datetime.now(UTC).isoformat(timespec="seconds"),
+        "start_step": start_step,
+        "argv": sys.argv,
+        "host": socket.gethostname(),
+        "python": sys.version.split()[0],
+        "versions": {"jax": jax.__version__, "flax": flax.__version__, "optax": optax.__version__,
+                     "orbax-checkpoint": orbax.checkpoint.__version__, "numpy": np.__version__},
+        "backend": jax.default_backend(),
+        "devices": [str(d) for d in jax.devices()],
+        "process_count": jax.process_count(),
+        "git_commit": _git_commit(),
+    }
 
 
 class MetricsLog:
@@ -98,7 +135,7 @@ class MetricsLog:
         if not enabled:
             return
         records = [r for r in read_jsonl(self.path) if r["step"] <= resume_step]
-        _atomic_write(self.path, "".join(json.dumps(r) + "\n" for r in records).encode())
+        atomic_write(self.path, "".join(json.dumps(r) + "\n" for r in records).encode())
         self._seen = {(r["split"], r["step"]) for r in records}
         self._tb_seen = truncate_events(Path(workdir) / TB_DIR, resume_step)
         self._file = open(self.path, "a")  # noqa: SIM115 - held open for the whole run, closed in close()
@@ -149,8 +186,10 @@ class MetricsLog:
 class Progress:
     """A tqdm bar on stderr with loss/accuracy/tokens per second; its ETA comes from tqdm."""
 
-    def __init__(self, total: int, start: int, enabled: bool):
-        self.bar = tqdm(total=total, initial=start, disable=not enabled, file=sys.stderr, unit="step",
+    def __init__(self, total: int, start: int, *, bar: bool, lines: bool):
+        """bar: show the bar; lines: print `write` lines (False on non-primary processes: they say nothing)."""
+        self.lines = lines
+        self.bar = tqdm(total=total, initial=start, disable=not bar, file=sys.stderr, unit="step",
                         dynamic_ncols=True, leave=True)
 
     def update(self, steps: int, values: dict[str, float]) -> None:
@@ -158,7 +197,8 @@ class Progress:
         self.bar.update(steps)
 
     def write(self, line: str) -> None:
-        self.bar.write(line, file=sys.stderr)
+        if self.lines:
+            self.bar.write(line, file=sys.stderr)
 
     def close(self) -> None:
         self.bar.close()

@@ -76,7 +76,7 @@ def train_step(
 ) -> tuple[TrainState, Metrics]:
     """One optimizer update. rng is this step's dropout key (fold the step into a run key)."""
     loss, sums, grads = loss_and_grads(state, batch, rng, axis_name)
-    grad_norm = optax.global_norm(grads)
+    grad_norm = optax.tree.norm(grads)
     new_state = state.apply_gradients(grads=grads)
     metrics = {
         "loss": loss,
