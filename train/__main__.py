@@ -83,7 +83,7 @@ def _quiet_libraries() -> None:
 
 
 def cmd_train(argv: list[str]) -> int:
-    args = _train_parser().parse_args(argv)
+    args = _train_parser().parse_intermixed_args(argv)  # overrides before or after the flags
     from train import loop
 
     config = loop.config_for_workdir(args.config, args.overrides, Path(args.workdir))
