@@ -68,7 +68,8 @@ def describe(hlo_text: str) -> dict[str, tuple[str, str]]:
 
 
 def profile_step(step: OursTrain, steps: int = 3) -> tuple[dict[str, float], list[tuple[float, str, str]]]:
-    """(ms per step per group, heaviest ops as (ms, name, group and what it is)) from `steps` traced calls."""
+    """(ms per step per group, every op as (ms, name, group and what it is), heaviest first) from `steps`
+    traced calls."""
     step()  # warm
     described = describe(step.compiled.as_text() or "")
     kinds = {name: kind for name, (kind, _) in described.items()}
@@ -89,7 +90,7 @@ def profile_step(step: OursTrain, steps: int = 3) -> tuple[dict[str, float], lis
     for name, ms in per_op.items():
         groups[kinds[name]] += ms
     groups["step (wall)"] = wall
-    top = sorted(((ms, name, "  ".join(described[name])) for name, ms in per_op.items()), reverse=True)[:12]
+    top = sorted(((ms, name, "  ".join(described[name])) for name, ms in per_op.items()), reverse=True)
     return dict(groups), top
 
 
@@ -124,9 +125,10 @@ def main(argv: list[str] | None = None) -> int:
     for kind, ms in sorted(groups.items(), key=lambda kv: -kv[1]):
         rate = f"  {flops / ms / 1e6:,.1f} GFLOP/s inside matmuls" if kind == "matmul" else ""
         print(f"  {kind:12s} {ms:9,.1f} ms  {ms / busy:6.1%} of op time{rate}")
-    print("heaviest ops:")
-    for ms, name, kind in top:
-        print(f"  {ms:9,.1f} ms  {name:24s} {kind}")
+    for group in sorted(groups, key=lambda g: -groups[g]):
+        print(f"heaviest {group} ops:")
+        for ms, name, kind in [t for t in top if t[2].startswith(group)][:6]:
+            print(f"  {ms:9,.1f} ms  {name:24s} {kind}")
     return 0
 
 

@@ -53,7 +53,12 @@ class DataConfig(_Section):
     split: tuple[float, float, float] = Field((0.8, 0.1, 0.1), description="train/validation/test fractions.")
     split_seed: int = 0
     cache_dir: str | None = Field(None, description="Download cache; default ~/.cache/jaxblock.")
-    packing: bool = Field(False, description="Pack several examples per row with segment_ids.")
+    packing: bool = Field(
+        False, description="Training batches: pack the step's examples several to a row of max(buckets) tokens "
+        "(segment_ids: attention within an example, pooling per example) instead of padding each; the same "
+        "examples and loss, fewer rows. Evaluation stays padded.",
+    )
+    pack_segments: int = Field(8, ge=1, description="With packing: at most this many examples in one row.")
 
     @model_validator(mode="after")
     def _check(self) -> DataConfig:

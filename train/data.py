@@ -191,15 +191,20 @@ def train_indices(count: int, *, seed: int, step: int, batch_size: int) -> np.nd
 
 def train_batch(
     split: Split, *, seed: int, step: int, batch_size: int, buckets: list[int],
-    process_index: int = 0, process_count: int = 1,
+    process_index: int = 0, process_count: int = 1, pack_segments: int | None = None,
 ) -> Batch:
     """This process's share of the global batch for `step`, a pure function of (seed, step).
 
     The whole global batch pads to the smallest bucket that fits its longest row, so every process gets
     the same L. Returns tokens int32[N, L], valid_tokens bool[N, L], labels int32[N], N = batch_size / P.
+    With pack_segments=S the same examples are packed instead (`packed_batch`).
     """
     idx = train_indices(len(split), seed=seed, step=step, batch_size=batch_size)
     rows = [split.tokens[i] for i in idx]
+    if pack_segments is not None:
+        batch = packed_batch(rows, split.labels[idx], row_len=buckets[-1], max_segments=pack_segments,
+                             batch_size=batch_size, multiple=process_count, pad_id=split.pad_id)
+        return _share(batch, process_index, process_count)
     length = bucket_length(max(len(r) for r in rows), buckets)
     tokens, valid = _pad(rows, length, split.pad_id)
     batch = {"tokens": tokens, "valid_tokens": valid, "labels": split.labels[idx].astype(np.int32)}
@@ -279,6 +284,24 @@ def pack_examples(
             pos += n
     return {"tokens": out_tokens, "valid_tokens": segment_ids >= 0, "segment_ids": segment_ids,
             "labels": out_labels, "example_index": example_index}
+
+
+def packed_batch(
+    rows: Sequence[np.ndarray], labels: np.ndarray, *, row_len: int, max_segments: int, batch_size: int,
+    multiple: int = 1, pad_id: int = 0,
+) -> Batch:
+    """A training batch of packed rows with a row count from a few fixed sizes (so a run compiles a few
+    programs, as with length buckets): the smallest of batch_size/8, /4, /2, /1 (whole, a multiple of
+    `multiple`) that holds the packing, topped up with empty rows (labels -1, no valid tokens).
+    Returns tokens, valid_tokens, segment_ids [R, row_len] and labels int32[R, S]."""
+    packed = pack_examples(rows, labels, row_len=row_len, max_segments=max_segments, pad_id=pad_id)
+    packed.pop("example_index")
+    need = len(packed["labels"])
+    sizes = [batch_size // d for d in (8, 4, 2, 1) if batch_size % d == 0 and (batch_size // d) % multiple == 0]
+    target = next((r for r in sizes if r >= need), max(need + -need % multiple, batch_size))
+    fill = {"tokens": pad_id, "valid_tokens": False, "segment_ids": -1, "labels": -1}
+    return {k: np.concatenate([v, np.full((target - need, *v.shape[1:]), fill[k], v.dtype)])
+            for k, v in packed.items()}
 
 
 def unpack_examples(packed: Batch) -> dict[int, tuple[np.ndarray, int]]:

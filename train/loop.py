@@ -255,11 +255,14 @@ class Trainer:
         self.window_start = time.perf_counter()
         self.ckpts: Checkpoints | None = None
 
-    def batch(self, step: int) -> dict[str, np.ndarray]:
+    def batch(self, step: int, packed: bool = True) -> dict[str, np.ndarray]:
+        """This process's share of step's batch; packed=False gives the same examples padded (what the
+        per-example diagnostics and the non-finite locator take, with or without data.packing)."""
         index, count = self.runner.data_share()
         return data.train_batch(
             self.plan.dataset.train, seed=self.cfg.train.seed, step=step, batch_size=self.cfg.train.batch_size,
             buckets=self.cfg.data.buckets, process_index=index, process_count=count,
+            pack_segments=self.cfg.data.pack_segments if self.cfg.data.packing and packed else None,
         )
 
     def meta(self) -> dict[str, Any]:
@@ -308,7 +311,7 @@ class Trainer:
         params = self.host_params(state)  # every process takes part in the gather
         if not self.primary:
             return
-        model, batch = Classifier(self.cfg.model), self.batch(done - 1)
+        model, batch = Classifier(self.cfg.model), self.batch(done - 1, packed=False)
         ratios = residual_ratios(model, {"params": params}, batch)
         grads = grad_norms_by_depth(model, {"params": params}, batch,
                                     lambda logits, b: classification_loss(logits, b["labels"])[0])
@@ -317,7 +320,7 @@ class Trainer:
     def halt(self, state: TrainState, done: int, m: dict[str, float]) -> None:
         """Stop without saving; name the first non-finite block/sublayer on the step's own batch."""
         tcfg = self.cfg.train
-        where = locate_nonfinite(self.cfg, self.host_params(state), self.batch(done - 1))
+        where = locate_nonfinite(self.cfg, self.host_params(state), self.batch(done - 1, packed=False))
         why = ("train.nonfinite=halt" if tcfg.nonfinite == "halt"
                else f"{int(m['nonfinite_consecutive'])} consecutive non-finite steps (train.max_nonfinite)")
         if self.ckpts is not None:

@@ -1,7 +1,9 @@
 """The pure train and eval steps: (state, batch, rng) -> (state, metrics).
 
 Batch keys (DESIGN.md): tokens int32[N, L], valid_tokens bool[N, L], labels int32[N] (a label < 0
-marks a padding example that counts nowhere), optional segment_ids int32[N, L].
+marks a padding example that counts nowhere). Packed rows (data.packing) add segment_ids int32[N, L]
+and carry labels int32[N, S], one per segment slot: the classifier pools per segment and the loss is
+taken over the N*S slots, so it is the same per-example loss as the padded batch of those examples.
 Compiled in one place (train/parallel.py). With `axis_name` (pmap) gradients and metrics are
 reduced over that axis (`loss_and_grads`); those `psum`s are the only collectives in the code base.
 """
@@ -22,10 +24,14 @@ Metrics = dict[str, jax.Array]
 
 
 def check_batch(batch: Batch) -> None:
-    chex.assert_rank([batch["tokens"], batch["valid_tokens"], batch["labels"]], [2, 2, 1])
+    packed = "segment_ids" in batch
+    chex.assert_rank([batch["tokens"], batch["valid_tokens"], batch["labels"]], [2, 2, 2 if packed else 1])
     chex.assert_type([batch["tokens"], batch["valid_tokens"], batch["labels"]], [jnp.int32, jnp.bool_, jnp.int32])
     chex.assert_equal_shape([batch["tokens"], batch["valid_tokens"]])
     chex.assert_equal_shape_prefix([batch["tokens"], batch["labels"]], 1)
+    if packed:
+        chex.assert_equal_shape([batch["tokens"], batch["segment_ids"]])
+        chex.assert_type(batch["segment_ids"], jnp.int32)
 
 
 def classification_loss(logits: jax.Array, labels: jax.Array) -> tuple[jax.Array, Metrics]:
@@ -40,11 +46,17 @@ def classification_loss(logits: jax.Array, labels: jax.Array) -> tuple[jax.Array
     return loss, {"loss_sum": loss_sum, "correct": correct, "count": count}
 
 
-def _forward(params: Any, state: TrainState, batch: Batch, train: bool, rng: jax.Array | None) -> jax.Array:
-    return state.apply_fn(
-        {"params": params}, batch["tokens"], batch["valid_tokens"], train=train,
-        rngs={"dropout": rng} if rng is not None else None,
-    )
+def _forward(
+    params: Any, state: TrainState, batch: Batch, train: bool, rng: jax.Array | None
+) -> tuple[jax.Array, jax.Array]:
+    """(logits [E, C], labels [E]): E = N examples, or N*S segment slots for packed rows."""
+    rngs = {"dropout": rng} if rng is not None else None
+    if "segment_ids" not in batch:
+        logits = state.apply_fn({"params": params}, batch["tokens"], batch["valid_tokens"], train=train, rngs=rngs)
+        return logits, batch["labels"]
+    logits = state.apply_fn({"params": params}, batch["tokens"], batch["valid_tokens"], train=train, rngs=rngs,
+                            segment_ids=batch["segment_ids"], num_segments=batch["labels"].shape[1])  # [N, S, C]
+    return logits.reshape(-1, logits.shape[-1]), batch["labels"].reshape(-1)
 
 
 def loss_and_grads(
@@ -60,7 +72,7 @@ def loss_and_grads(
     check_batch(batch)
 
     def loss_fn(params: Any) -> tuple[jax.Array, Metrics]:
-        loss, sums = classification_loss(_forward(params, state, batch, True, rng), batch["labels"])
+        loss, sums = classification_loss(*_forward(params, state, batch, True, rng))
         if axis_name is not None:
             loss = sums["loss_sum"] / jnp.maximum(jax.lax.psum(sums["count"], axis_name), 1)
         return loss, sums
@@ -96,8 +108,7 @@ def train_step(
 def eval_step(state: TrainState, batch: Batch, axis_name: str | None = None) -> Metrics:
     """Inference mode: train=False (no dropout) and no gradients. Returns sums to aggregate a split."""
     check_batch(batch)
-    logits = _forward(state.params, state, batch, False, None)
-    _, sums = classification_loss(logits, batch["labels"])
+    _, sums = classification_loss(*_forward(state.params, state, batch, False, None))
     if axis_name is not None:
         sums = jax.lax.psum(sums, axis_name)
     return sums
