@@ -240,6 +240,11 @@ def test_torch_init_distributions():
 def test_choose_implementation_states_its_reason():
     cfg = _cfg()
     assert choose_implementation(cfg, train=False, backend="cpu") == ("xla", "backend is cpu, not an NVIDIA GPU")
+    # Long L on a CPU: chunked from 4 key blocks on (measured faster there, memory linear in L).
+    long = _cfg(attn_chunk_size=16)
+    assert choose_implementation(long, train=False, backend="cpu", length=63)[0] == "xla"
+    impl, why = choose_implementation(long, train=False, backend="cpu", length=64)
+    assert impl == "chunked" and "L=64" in why
     bf16 = _cfg(dtype="bfloat16", num_heads=1)  # head width 8: what cuDNN's kernel accepts
     assert choose_implementation(bf16, train=False, backend="gpu")[0] == "cudnn"
     impl, why = choose_implementation(bf16, train=False, backend="gpu", extra_mask=True)
