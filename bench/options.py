@@ -113,14 +113,13 @@ def _sentences(ctx: Context, count: int, max_len: int) -> tuple[list[np.ndarray]
 
 
 def _classifier_step(model: nn.Module, tx: Any, num_segments: int | None) -> Any:
+    from train.step import classification_loss
+
     def loss_fn(p: Any, batch: dict[str, jax.Array], rng: jax.Array) -> jax.Array:
         kw: dict[str, Any] = {"segment_ids": batch["segment_ids"], "num_segments": num_segments} if num_segments else {}
         logits = model.apply({"params": p}, batch["tokens"], batch["valid_tokens"], train=True,
                              rngs={"dropout": rng}, **kw)  # [N, C] or [N, S, C]
-        labels = batch["labels"]
-        real = labels >= 0
-        ce = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.maximum(labels, 0))
-        return jnp.sum(jnp.where(real, ce, 0.0)) / jnp.maximum(jnp.sum(real), 1)
+        return classification_loss(logits.reshape(-1, logits.shape[-1]), batch["labels"].reshape(-1))[0]
 
     def step(state: Any, batch: dict[str, jax.Array], rng: jax.Array) -> tuple[Any, jax.Array]:
         p, opt = state
@@ -134,7 +133,8 @@ def _classifier_step(model: nn.Module, tx: Any, num_segments: int | None) -> Any
 def packing(ctx: Context) -> list[Record]:
     from jaxblock.model import Classifier
     from train.config import Config, load_config
-    from train.data import bucket_length, pack_examples
+    from train.data import Split, eval_batches, pack_examples, top_up
+    from train.state import init_params as init_classifier_params
 
     path = ROOT / "configs" / "sentiment.yaml"
     cfg = load_config(path) if path.is_file() else Config()
@@ -144,20 +144,11 @@ def packing(ctx: Context) -> list[Record]:
     rows = [r[: model_cfg.max_len] for r in rows]
     model_cfg = model_cfg.model_copy(update={"vocab_size": max(model_cfg.vocab_size, vocab)})
     model = Classifier(model_cfg)
-    params = nn.unbox(model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32), jnp.ones((1, 8), bool)))["params"]
+    params = init_classifier_params(model, seed=0, batch_len=8)
     tx = optax.adamw(1e-3)
 
     # Padded: consecutive batches of `batch` examples, each padded to its smallest fitting bucket.
-    padded = []
-    for i in range(0, count, batch):
-        chunk = rows[i : i + batch]
-        L = bucket_length(max(len(r) for r in chunk), buckets)
-        tokens = np.zeros((batch, L), np.int32)
-        for j, r in enumerate(chunk):
-            tokens[j, : len(r)] = r
-        lengths = np.array([len(r) for r in chunk])
-        padded.append({"tokens": tokens, "valid_tokens": np.arange(L)[None, :] < lengths[:, None],
-                       "labels": labels[i : i + batch]})
+    padded = list(eval_batches(Split(rows, labels, []), batch_size=batch, buckets=buckets))
     # Packed: all the examples into rows of max_len, S segments at most, `rows_per` rows a step so a
     # step holds about as many tokens as a padded batch of the largest bucket.
     segments = 8
@@ -168,12 +159,8 @@ def packing(ctx: Context) -> list[Record]:
     packed = []
     for s in range(steps_needed):
         sl = slice(s * rows_per, (s + 1) * rows_per)
-        b = {k: packed_all[k][sl] for k in ("tokens", "valid_tokens", "segment_ids", "labels")}
-        short = rows_per - len(b["tokens"])
-        if short:  # an all-padding row: no valid tokens, segment -1, labels -1: counts nowhere
-            fill = {"tokens": 0, "valid_tokens": False, "segment_ids": -1, "labels": -1}
-            b = {k: np.concatenate([v, np.full((short, *v.shape[1:]), fill[k], v.dtype)]) for k, v in b.items()}
-        packed.append(b)
+        packed.append(top_up({k: packed_all[k][sl] for k in ("tokens", "valid_tokens", "segment_ids", "labels")},
+                             rows_per))
 
     real_tokens = sum(len(r) for r in rows)
 

@@ -39,11 +39,6 @@ _INSTR = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = ")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 
 
-def classify(hlo_text: str) -> dict[str, str]:
-    """HLO instruction name -> 'matmul' | 'layout copy' | 'reduction' | 'elementwise'."""
-    return {name: kind for name, (kind, _) in describe(hlo_text).items()}
-
-
 def describe(hlo_text: str) -> dict[str, tuple[str, str]]:
     """HLO instruction name -> (group, 'shape  source op') for the report."""
     kinds = {}

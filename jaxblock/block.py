@@ -21,6 +21,12 @@ from jaxblock.config import BlockConfig
 from jaxblock.ffn import FeedForward
 from jaxblock.norms import make_norm
 
+# The values each block sows into "intermediates", in execution order for each placement.
+RECORDED_SITES = {
+    "pre": ("norm1", "attn_branch", "after_attn", "norm2", "ffn_branch", "after_ffn"),
+    "post": ("attn_branch", "after_attn", "norm1", "ffn_branch", "after_ffn", "norm2"),
+}
+
 
 class EncoderBlock(nn.Module):
     """(x [N, L, D], valid_tokens bool[N, L]) -> [N, L, D]. `train=True` turns dropout on."""

@@ -76,7 +76,7 @@ class BlockConfig(_Frozen):
                 f"model_dim={self.model_dim} is not divisible by num_heads={self.num_heads}: "
                 "pick num_heads that divides model_dim"
             )
-        if self.kv_heads > self.num_heads or self.num_heads % self.kv_heads:
+        if self.num_heads % self.kv_heads:
             raise ValueError(
                 f"num_kv_heads={self.num_kv_heads} must divide num_heads={self.num_heads}: "
                 "pick a divisor of num_heads (1 for MQA) or leave it unset"
@@ -157,10 +157,6 @@ class EncoderConfig(StackConfig):
         if self.block.rope and self.positions != "rope":
             raise ValueError(
                 f"block.rope=True but positions='{self.positions}': set positions='rope' instead"
-            )
-        if self.positions == "rope" and self.block.head_dim % 2:
-            raise ValueError(
-                f"positions='rope' needs an even head width, got {self.block.head_dim}: change num_heads"
             )
         return self
 

@@ -32,14 +32,16 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
+from jaxblock.block import RECORDED_SITES
 from jaxblock.model import unstack_layer_params
 
 Batch = Mapping[str, Any]
 LossFn = Callable[[jax.Array, Batch], Any]
 
 _LAYER = re.compile(r"layers_(\d+)")
-_SITES = ("norm1", "attn_branch", "after_attn", "norm2", "ffn_branch", "after_ffn")
+_SITES = RECORDED_SITES["pre"]
 # Last projection of each residual branch: zeroing it removes the branch (its bias included).
 _BRANCH_OUT = {"attention": ("self_attn", "out"), "ffn": ("ffn", "linear2")}
 
@@ -308,7 +310,7 @@ def grad_norms_by_depth(model: nn.Module, variables: Any, batch: Batch, loss_fn:
     deltas = [jnp.zeros(shape, jnp.float32) for _ in range(num)]
     loss, (g_params, g_inputs) = jax.value_and_grad(loss_of, argnums=(0, 1))(v["params"], deltas)
     layers = _layer_dicts(g_params)
-    param_grad = [float(jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(layers[i])))) for i in range(num)]
+    param_grad = [float(optax.tree.norm(layers[i])) for i in range(num)]
     ffn_out = [float(jnp.linalg.norm(layers[i]["ffn"]["linear2"]["kernel"])) if "ffn" in layers[i] else 0.0
                for i in range(num)]
     input_grad = [float(jnp.linalg.norm(g)) for g in g_inputs]

@@ -87,12 +87,10 @@ def cmd_train(argv: list[str]) -> int:
     from train import loop
 
     config = loop.config_for_workdir(args.config, args.overrides, Path(args.workdir))
-    from train.parallel import initialize_distributed
+    from train.parallel import initialize_distributed, is_primary
 
     initialize_distributed(config.parallel)  # multi-host: before anything touches a device
     summary = loop.train_from_config(config, Path(args.workdir))
-    from train.parallel import is_primary
-
     if not is_primary():  # one process speaks for a multi-host run
         return 0
     if summary.get("preempted"):

@@ -61,10 +61,6 @@ def _preservation(cfg: CheckpointConfig) -> Any:
     return checkpoint_managers.AnyPreservationPolicy([checkpoint_managers.LatestN(n=1), best])
 
 
-def has_checkpoint(workdir: Path) -> bool:
-    return latest_step(workdir) is not None
-
-
 def latest_step(workdir: Path) -> int | None:
     """The newest complete checkpoint step, read without creating or changing anything."""
     directory = Path(workdir) / CHECKPOINT_DIR

@@ -298,10 +298,16 @@ def packed_batch(
     packed.pop("example_index")
     need = len(packed["labels"])
     sizes = [batch_size // d for d in (8, 4, 2, 1) if batch_size % d == 0 and (batch_size // d) % multiple == 0]
-    target = next((r for r in sizes if r >= need), max(need + -need % multiple, batch_size))
+    target = next((r for r in sizes if r >= need), batch_size)  # need <= batch_size: one example per row at most
+    return top_up(packed, target, pad_id)
+
+
+def top_up(packed: Batch, rows: int, pad_id: int = 0) -> Batch:
+    """Packed rows extended to `rows` with empty ones (no valid tokens, segment -1, labels -1): they
+    count nowhere."""
     fill = {"tokens": pad_id, "valid_tokens": False, "segment_ids": -1, "labels": -1}
-    return {k: np.concatenate([v, np.full((target - need, *v.shape[1:]), fill[k], v.dtype)])
-            for k, v in packed.items()}
+    missing = rows - len(packed["tokens"])
+    return {k: np.concatenate([v, np.full((missing, *v.shape[1:]), fill[k], v.dtype)]) for k, v in packed.items()}
 
 
 def unpack_examples(packed: Batch) -> dict[int, tuple[np.ndarray, int]]:

@@ -20,11 +20,12 @@ import jax
 import numpy as np
 
 from jaxblock import diagnostics as dg
+from jaxblock.masks import lengths_to_valid_tokens
 from jaxblock.model import Classifier
 from train.config import Config, ConfigError, load_config
 from train.sources import DataError
 from train.state import init_params
-from train.step import classification_loss
+from train.step import batch_loss
 
 USAGE_EXIT, FAILED_EXIT = 2, 1
 
@@ -33,13 +34,13 @@ class UsageError(ValueError):
     """Bad command-line input: one line naming the problem and the fix."""
 
 
-class _Parser(argparse.ArgumentParser):
+class Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         raise UsageError(f"{self.prog}: {message} (see --help)")
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m train diagnose",
+    p = Parser(prog="python -m train diagnose",
                 description="Run the debugging-path checks on a config's model or a checkpoint; write a report.")
     p.add_argument("--config", help="YAML config (see configs/); optional with --workdir")
     p.add_argument("--workdir", help="a trained run: diagnose its checkpoint (its saved config wins)")
@@ -98,7 +99,7 @@ def _batch(config: Config, tokenizer_dir: Path | None, size: int, seed: int, ran
     lengths[0] = length
     return {
         "tokens": jax.numpy.asarray(rng.integers(0, config.model.vocab_size, (size, length)), np.int32),
-        "valid_tokens": jax.numpy.asarray(np.arange(length)[None, :] < lengths[:, None]),
+        "valid_tokens": lengths_to_valid_tokens(lengths, length),
         "labels": jax.numpy.asarray(rng.integers(0, config.model.num_classes, size), np.int32),
     }
 
@@ -107,10 +108,7 @@ def diagnose(model: Any, variables: Any, batch: dict[str, Any], out: Path, *, ti
              residual_ratio_limit: float = 10.0) -> int:
     """Run every check on `model` (any class the diagnostics accept), write the report; the exit code."""
 
-    def loss_fn(logits: Any, b: Any) -> Any:
-        return classification_loss(logits, b["labels"])[0]
-
-    result = dg.run_all(model, variables, batch, loss_fn, residual_ratio_limit=residual_ratio_limit)
+    result = dg.run_all(model, variables, batch, batch_loss, residual_ratio_limit=residual_ratio_limit)
     out.mkdir(parents=True, exist_ok=True)
     _plot_ratios(result.ratios, out / "residual_ratios.png")
     _plot_grads(result.grads, out / "grad_norms.png")
@@ -157,31 +155,29 @@ def report(result: dg.Diagnosis, model: Any, batch: dict[str, Any], title: str) 
 
 
 def _plot_ratios(r: dg.ResidualRatios, path: Path) -> None:
+    _plot_by_layer(path, {("attention", "o-"): r.attn, ("FFN", "s-"): r.ffn}, "||branch|| / ||residual input||",
+                   f"Residual ratios ({r.placement}-LN)", limit=r.limit)
+
+
+def _plot_grads(g: dg.GradNorms, path: Path) -> None:
+    _plot_by_layer(path, {("at layer input", "o-"): g.input_grad, ("layer params", "s-"): g.param_grad,
+                          ("ffn/linear2/kernel", "^-"): g.ffn_out_kernel_grad},
+                   "gradient norm", "Gradient norm by depth")
+
+
+def _plot_by_layer(path: Path, series: dict[tuple[str, str], Any], ylabel: str, title: str,
+                   limit: float | None = None) -> None:
+    """One log-scale line per (label, style) over the layers, and the limit as a red dotted line."""
     from matplotlib.figure import Figure  # no pyplot: no global backend state
 
     fig = Figure(figsize=(5.5, 3.5), layout="constrained")
     ax = fig.subplots()
-    layers = np.arange(len(r.attn))
-    ax.plot(layers, r.attn, "o-", label="attention")
-    ax.plot(layers, r.ffn, "s-", label="FFN")
-    ax.axhline(r.limit, color="red", linestyle=":", label=f"limit {r.limit:g}")
-    ax.set(xlabel="layer", ylabel="||branch|| / ||residual input||", yscale="log",
-           title=f"Residual ratios ({r.placement}-LN)")
-    ax.set_xticks(layers)
-    ax.legend()
-    fig.savefig(path, dpi=120)
-
-
-def _plot_grads(g: dg.GradNorms, path: Path) -> None:
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(5.5, 3.5), layout="constrained")
-    ax = fig.subplots()
-    layers = np.arange(len(g.input_grad))
-    ax.plot(layers, g.input_grad, "o-", label="at layer input")
-    ax.plot(layers, g.param_grad, "s-", label="layer params")
-    ax.plot(layers, g.ffn_out_kernel_grad, "^-", label="ffn/linear2/kernel")
-    ax.set(xlabel="layer", ylabel="gradient norm", yscale="log", title="Gradient norm by depth")
+    layers = np.arange(len(next(iter(series.values()))))
+    for (label, style), values in series.items():
+        ax.plot(layers, values, style, label=label)
+    if limit is not None:
+        ax.axhline(limit, color="red", linestyle=":", label=f"limit {limit:g}")
+    ax.set(xlabel="layer", ylabel=ylabel, yscale="log", title=title)
     ax.set_xticks(layers)
     ax.legend()
     fig.savefig(path, dpi=120)

@@ -39,16 +39,15 @@ from train.checkpoint import (
     TOKENIZER_DIR,
     CheckpointError,
     Checkpoints,
-    best_or_latest,
     check_compatible,
     latest_step,
     read_run_config,
 )
 from train.config import Config, ConfigError, config_from_dict
 from train.metrics import MetricsLog, Progress, atomic_write, plot_curves, read_jsonl, run_metadata
-from train.parallel import Runner, initialize_distributed, is_primary, make_runner
+from train.parallel import Runner, host_value, initialize_distributed, is_primary, make_runner
 from train.state import TrainState, create_state, init_params
-from train.step import classification_loss
+from train.step import batch_loss
 
 RUN_FILE = "run.json"
 SUMMARY_FILE = "summary.json"
@@ -126,7 +125,7 @@ def plan_run(config: Config, workdir: Path) -> Plan:
 
     def make_state() -> TrainState:
         params = init_params(model, cfg.train.seed, cfg.data.buckets[-1])
-        return create_state(model, params, cfg.optim, cfg.train.steps, cfg.train.max_nonfinite)
+        return create_state(model, params, cfg.optim, cfg.train.steps)
 
     abstract = jax.eval_shape(make_state)
     if start:
@@ -156,9 +155,7 @@ def write_run_files(plan: Plan) -> None:
 
 def fetch(tree: Any) -> Any:
     """Host numpy copies of (replicated) results; with several processes each reads its local copy."""
-    return jax.device_get(jax.tree.map(
-        lambda x: x.addressable_data(0) if isinstance(x, jax.Array) and not x.is_fully_addressable else x, tree
-    ))
+    return jax.device_get(jax.tree.map(host_value, tree))
 
 
 def evaluate(runner: Runner, state: TrainState, split: data.Split, config: Config) -> dict[str, float]:
@@ -169,7 +166,7 @@ def evaluate(runner: Runner, state: TrainState, split: data.Split, config: Confi
     def drain() -> None:
         for sums in fetch(pending):
             for key in totals:
-                totals[key] += float(np.asarray(sums[key]).reshape(-1)[0])
+                totals[key] += _host(sums[key])
         pending.clear()
 
     index, count = runner.data_share()
@@ -313,8 +310,7 @@ class Trainer:
             return
         model, batch = Classifier(self.cfg.model), self.batch(done - 1, packed=False)
         ratios = residual_ratios(model, {"params": params}, batch)
-        grads = grad_norms_by_depth(model, {"params": params}, batch,
-                                    lambda logits, b: classification_loss(logits, b["labels"])[0])
+        grads = grad_norms_by_depth(model, {"params": params}, batch, batch_loss)
         log.write("diag", done, {**ratios.as_metrics(), **grads.as_metrics()})
 
     def halt(self, state: TrainState, done: int, m: dict[str, float]) -> None:
@@ -323,9 +319,9 @@ class Trainer:
         where = locate_nonfinite(self.cfg, self.host_params(state), self.batch(done - 1, packed=False))
         why = ("train.nonfinite=halt" if tcfg.nonfinite == "halt"
                else f"{int(m['nonfinite_consecutive'])} consecutive non-finite steps (train.max_nonfinite)")
-        if self.ckpts is not None:
-            self.ckpts.wait()  # report the newest checkpoint that is complete on disk
-        newest = latest_step(self.plan.workdir)
+        assert self.ckpts is not None  # halts happen inside train(), which opened them
+        self.ckpts.wait()  # report the newest checkpoint that is complete on disk
+        newest = self.ckpts.latest_step()
         raise HaltError(
             f"halted at step {done}: non-finite loss or gradients ({why}); {where}; "
             f"newest checkpoint: {newest if newest is not None else 'none'} (finite): lower optim.lr, check the "
@@ -353,9 +349,8 @@ class Trainer:
             state = plan.initial_state()
         log = MetricsLog(plan.workdir, plan.start_step, enabled=self.primary)
         progress = Progress(tcfg.steps, plan.start_step, bar=self.primary and tcfg.progress, lines=self.primary)
-        if self.primary:
-            progress.write(f"{plan.dataset.summary()}; run in {plan.workdir}"
-                           + (f", resuming from step {plan.start_step}" if plan.start_step else ""))
+        progress.write(f"{plan.dataset.summary()}; run in {plan.workdir}"
+                       + (f", resuming from step {plan.start_step}" if plan.start_step else ""))
         val: dict[str, float] | None = None
         preempted = False
         try:
@@ -388,7 +383,7 @@ class Trainer:
                         break
             ckpts.wait()
             if preempted:
-                return {"preempted": True, "step": int(fetch(self.runner.unreplicate(state).step)),
+                return {"preempted": True, "step": done,  # state.step counts skipped updates too
                         "checkpoint": str(ckpts.directory / str(ckpts.latest_step()))}
             return self.finish(ckpts, state, log, t0, val)
         finally:
@@ -405,7 +400,8 @@ class Trainer:
         if val is None:  # a rerun of a finished run, which trained nothing this session
             val = evaluate(self.runner, state, plan.dataset.validation, cfg)
             log.write("val", total, val)
-        test_step = best_or_latest(ckpts.manager, cfg.checkpoint) if ckpts.latest_step() is not None else total
+        best_step = ckpts.best_step()
+        test_step = total if best_step is None else best_step
         test_state = state
         if test_step != total:
             restored, _ = ckpts.restore(test_step, self.runner.abstract_state(plan.abstract))

@@ -147,9 +147,6 @@ class MetricsLog:
         self._tb = SummaryWriter(str(Path(workdir) / TB_DIR), flush_secs=30,
                                  filename_suffix=f".from{resume_step}.{time.time_ns()}")
 
-    def has(self, split: str, step: int) -> bool:
-        return (split, step) in self._seen
-
     def write(self, split: str, step: int, values: dict[str, float]) -> None:
         if not self.enabled or (split, step) in self._seen:
             return

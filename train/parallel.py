@@ -138,7 +138,7 @@ def state_shardings(state: TrainState, params_sh: Any, mesh: Mesh) -> TrainState
     return state.replace(step=replicated, params=params_sh, opt_state=opt_sh)
 
 
-def _host_value(x: Any) -> Any:
+def host_value(x: Any) -> Any:
     """A leaf this process can read: global replicated arrays give their local copy."""
     if isinstance(x, jax.Array) and not x.is_fully_addressable:
         return x.addressable_data(0)
@@ -154,7 +154,6 @@ class Runner:
     strategy = "single"
 
     def __init__(self, config: Config, state: TrainState) -> None:
-        self.config = config
         self.device = jax.devices()[0]
         self._train = jax.jit(train_step, donate_argnums=0)
         self._eval = jax.jit(eval_step)
@@ -169,7 +168,7 @@ class Runner:
         return 0, 1
 
     def place_state(self, state: TrainState) -> TrainState:
-        return jax.device_put(jax.tree.map(_host_value, state), self.device)
+        return jax.device_put(jax.tree.map(host_value, state), self.device)
 
     def init_state(self, make_state: Callable[[], TrainState]) -> TrainState:
         """Build the state where it lives (sharded from the start under `sharded`)."""
@@ -216,7 +215,6 @@ class PmapRunner(Runner):
     strategy = "pmap"
 
     def __init__(self, config: Config, state: TrainState) -> None:
-        self.config = config
         self.devices = jax.devices()
         self.local_devices = jax.local_devices()
         _check_batch_size(config, len(self.devices), "pmap uses every device")
@@ -245,7 +243,7 @@ class PmapRunner(Runner):
         n = len(self.local_devices)
 
         def put(x: Any) -> jax.Array:
-            host = np.asarray(_host_value(x))
+            host = np.asarray(host_value(x))
             return jax.device_put(np.broadcast_to(host, (n, *host.shape)), self._stacked)
 
         return jax.tree.map(put, state)
@@ -276,7 +274,6 @@ class ShardedRunner(Runner):
     strategy = "sharded"
 
     def __init__(self, config: Config, state: TrainState) -> None:
-        self.config = config
         cfg = config.parallel
         self.mesh = make_mesh(cfg)
         self.rules = logical_rules(cfg)
@@ -297,7 +294,6 @@ class ShardedRunner(Runner):
                 len(self.replicated_dims), "; ".join(self.replicated_dims),
             )
         self.state_sharding = state_shardings(state, params_sh, self.mesh)
-        self.params_sharding = params_sh
         self._flat_sharding = jax.tree.leaves(self.state_sharding)
         # Inputs arrive committed (place_state, place_batch); outputs are pinned inside the program.
         # Pinning by constraint rather than jit's out_shardings keeps the step valid for any state of
@@ -380,7 +376,7 @@ class ShardedRunner(Runner):
         array (device_put cannot target other hosts' devices; no host round trip stalls the queue)."""
         if isinstance(rng, jax.Array) and rng.sharding == self.replicated:
             return rng
-        local = _host_value(rng)
+        local = host_value(rng)
         copies = [jax.device_put(local, d) for d in self.mesh.local_devices]
         return jax.make_array_from_single_device_arrays(local.shape, self.replicated, copies)
 

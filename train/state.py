@@ -52,7 +52,7 @@ def decay_mask(params: Any, decay_embeddings: bool) -> Any:
     return jax.tree_util.tree_map_with_path(rule, params)
 
 
-def make_optimizer(cfg: OptimConfig, total_steps: int, max_nonfinite: int = 3) -> tuple[Any, optax.Schedule]:
+def make_optimizer(cfg: OptimConfig, total_steps: int) -> tuple[Any, optax.Schedule]:
     schedule = make_schedule(cfg, total_steps)
     parts: list[optax.GradientTransformation] = []
     if cfg.clip_norm is not None:
@@ -69,16 +69,16 @@ def make_optimizer(cfg: OptimConfig, total_steps: int, max_nonfinite: int = 3) -
     tx: Any = optax.chain(*parts)
     if cfg.grad_accum > 1:
         tx = optax.MultiSteps(tx, every_k_schedule=cfg.grad_accum)
-    # The loop halts after `max_nonfinite` consecutive skips; the bound here only keeps optax from
-    # ever applying a non-finite update on its own.
-    tx = optax.apply_if_finite(tx, max_consecutive_errors=max(max_nonfinite, 1) + 10**6)
+    # The loop halts after train.max_nonfinite consecutive skips; this bound only keeps optax from ever
+    # applying a non-finite update on its own.
+    tx = optax.apply_if_finite(tx, max_consecutive_errors=10**6)
     return tx, schedule
 
 
 def create_state(
-    model: nn.Module, params: Any, optim: OptimConfig, total_steps: int, max_nonfinite: int = 3
+    model: nn.Module, params: Any, optim: OptimConfig, total_steps: int
 ) -> TrainState:
-    tx, schedule = make_optimizer(optim, total_steps, max_nonfinite)
+    tx, schedule = make_optimizer(optim, total_steps)
     return TrainState.create(apply_fn=model.apply, params=params, tx=tx, lr_schedule=schedule)
 
 

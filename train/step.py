@@ -10,6 +10,7 @@ reduced over that axis (`loss_and_grads`); those `psum`s are the only collective
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import chex
@@ -44,6 +45,11 @@ def classification_loss(logits: jax.Array, labels: jax.Array) -> tuple[jax.Array
     correct = jnp.sum(jnp.where(real, jnp.argmax(logits, -1) == labels, False))
     loss = loss_sum / jnp.maximum(count, 1)
     return loss, {"loss_sum": loss_sum, "correct": correct, "count": count}
+
+
+def batch_loss(logits: jax.Array, batch: Mapping[str, Any]) -> jax.Array:
+    """The mean cross-entropy of `logits` against the batch's labels (the diagnostics' loss_fn form)."""
+    return classification_loss(logits, batch["labels"])[0]
 
 
 def _forward(

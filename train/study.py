@@ -25,7 +25,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -37,8 +37,9 @@ from jaxblock.config import EncoderConfig
 from jaxblock.model import Classifier, stack_layer_params
 from train import data
 from train.config import OptimConfig
+from train.diagnose import Parser, UsageError
 from train.state import init_params, make_schedule
-from train.step import classification_loss
+from train.step import batch_loss
 
 PLACEMENTS = ("pre", "post")
 
@@ -61,18 +62,9 @@ class Settings:
     data_seed: int = 0  # the data set itself, the same for every run
 
 
-class UsageError(ValueError):
-    """Bad command-line input: one line naming the problem and the fix."""
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        raise UsageError(f"{self.prog}: {message} (see --help)")
-
-
 def _parser() -> argparse.ArgumentParser:
     d = Settings()
-    p = _Parser(prog="python -m train study-ln", description="Pre-LN vs Post-LN: init gradients and warmup.")
+    p = Parser(prog="python -m train study-ln", description="Pre-LN vs Post-LN: init gradients and warmup.")
     p.add_argument("--out", default="docs", help="where the figures, study_ln.md and study_ln.json go")
     p.add_argument("--depths", type=int, nargs="+", default=list(d.depths))
     p.add_argument("--width", type=int, default=d.width, help="D")
@@ -183,10 +175,6 @@ def _batch(split: data.Split, s: Settings, seed: int, step: int) -> dict[str, ja
     return {k: jnp.asarray(v) for k, v in b.items()}
 
 
-def _loss(logits: jax.Array, batch: Any) -> jax.Array:
-    return classification_loss(logits, batch["labels"])[0]
-
-
 def initializer(model: Classifier, s: Settings) -> Any:
     """seed -> params of the scanned model, initialised through its unrolled twin and stacked.
 
@@ -198,7 +186,7 @@ def initializer(model: Classifier, s: Settings) -> Any:
 
 
 def _init_grads(model: Classifier, params: Any, batch: dict[str, jax.Array]) -> list[float]:
-    return dg.grad_norms_by_depth(model, {"params": params}, batch, _loss).ffn_out_kernel_grad
+    return dg.grad_norms_by_depth(model, {"params": params}, batch, batch_loss).ffn_out_kernel_grad
 
 
 _ADAM = optax.scale_by_adam(b1=0.9, b2=0.98, eps=1e-8)
@@ -211,7 +199,7 @@ def _make_step(model: Classifier) -> Any:
     def step(params: Any, opt: Any, batch: dict[str, jax.Array], lr: jax.Array) -> tuple[Any, Any, jax.Array]:
         def loss_fn(p: Any) -> jax.Array:
             logits: Any = model.apply({"params": p}, batch["tokens"], batch["valid_tokens"], train=True)
-            return _loss(logits, batch)
+            return batch_loss(logits, batch)
 
         loss, g = jax.value_and_grad(loss_fn)(params)
         updates, opt = _ADAM.update(g, opt, params)
@@ -236,9 +224,13 @@ def _train(params: Any, step: Any, forward: Any, ds: tuple[data.Split, data.Spli
         if not math.isfinite(losses[-1]):
             break
     accuracy = _accuracy(forward, params, ds[1], s) if math.isfinite(losses[-1]) else float("nan")
-    window = losses[-max(len(losses) // 10, 1):]
-    return {"losses": losses, "final_loss": float(np.mean(window)), "val_accuracy": accuracy,
+    return {"losses": losses, "final_loss": final_loss(losses), "val_accuracy": accuracy,
             "verdict": verdict(losses, accuracy, 2)}
+
+
+def final_loss(losses: list[float]) -> float:
+    """Mean loss over the last tenth of the run (at least one step)."""
+    return float(np.mean(losses[-max(len(losses) // 10, 1):]))
 
 
 def smooth(losses: list[float], window: int = 10) -> np.ndarray:
@@ -258,7 +250,7 @@ def verdict(losses: list[float], accuracy: float, classes: int) -> str:
     if not all(math.isfinite(x) for x in losses):
         return "diverged"
     curve = smooth(losses)
-    final = float(np.mean(losses[-max(len(losses) // 10, 1):]))
+    final = final_loss(losses)
     if final > 1.2 * chance or (final > 0.9 * chance and curve.min() < 0.5 * chance):
         return "diverged"
     if final > 0.9 * chance or not accuracy > 0.6:

@@ -43,7 +43,7 @@ from pydantic import ValidationError
 from torch.nn import functional
 
 from jaxblock import masks
-from jaxblock.block import EncoderBlock
+from jaxblock.block import RECORDED_SITES, EncoderBlock
 from jaxblock.config import BlockConfig, StackConfig, format_validation_error
 from jaxblock.model import EncoderStack, unstack_layer_params
 
@@ -55,10 +55,6 @@ TOLERANCES = {"float32": (1e-5, 1e-4), "bfloat16": (6e-2, 2e-2), "float16": (6e-
 
 _TORCH_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _DTYPES_TORCH = {v: k for k, v in _TORCH_DTYPES.items()}
-_SUBLAYERS = {
-    True: ("norm1", "attn_branch", "after_attn", "norm2", "ffn_branch", "after_ffn"),  # norm_first
-    False: ("attn_branch", "after_attn", "norm1", "ffn_branch", "after_ffn", "norm2"),
-}
 
 
 # --- configs ------------------------------------------------------------------------------------
@@ -475,7 +471,7 @@ def compare(
     for i, layer in enumerate(layers):
         prefix = "" if isinstance(cfg, BlockConfig) else f"layers_{i}/"
         mids = o_mid if isinstance(cfg, BlockConfig) else o_mid[f"layers_{i}"]
-        for site in _SUBLAYERS[bool(layer.norm_first)]:
+        for site in RECORDED_SITES["pre" if layer.norm_first else "post"]:
             checks.append(fwd(prefix + site, np.asarray(mids[site][0]), t_mid[i][site]))
     checks.append(fwd("output", o_out, t_out))
     checks.append(rel("grad input", o_grads[1], to_nld(t_grads.pop("input"))))
