@@ -3,9 +3,10 @@
 Pre-LN:   U = X + Drop(MHA(LN1(X)))        Y = U + Drop(FFN(LN2(U)))
 Post-LN:  U = LN1(X + Drop(MHA(X)))        Y = LN2(U + Drop(FFN(U)))
 
-x, U, Y are [N, L, D]. Two distinct norm instances: attn_norm (LN1) and ffn_norm (LN2). Recorded intermediates
+X, U, Y are [N, L, D]. Two distinct norm instances: attn_norm (LN1) and ffn_norm (LN2). Recorded intermediates
 (collection 'intermediates'): norm1, attn_branch, after_attn, norm2, ffn_branch, after_ffn, where
-`after_*` is the residual sum and `norm*` is that norm's output.
+`after_*` is the residual sum and `norm*` is that norm's output. The same wiring as data (order, which
+submodule computes each value, from what) is `jaxblock.wiring`; tests/test_block.py keeps the two equal.
 """
 
 from __future__ import annotations
@@ -20,12 +21,11 @@ from jaxblock.attention import SelfAttention
 from jaxblock.config import BlockConfig
 from jaxblock.ffn import FeedForward
 from jaxblock.norms import make_norm
+from jaxblock.settle import settle_gradient  # noqa: F401  (its old home; the stack applies it)
+from jaxblock.wiring import WIRINGS
 
 # The values each block sows into "intermediates", in execution order for each placement.
-RECORDED_SITES = {
-    "pre": ("norm1", "attn_branch", "after_attn", "norm2", "ffn_branch", "after_ffn"),
-    "post": ("attn_branch", "after_attn", "norm1", "ffn_branch", "after_ffn", "norm2"),
-}
+RECORDED_SITES = {placement: wiring.order for placement, wiring in WIRINGS.items()}
 
 
 class EncoderBlock(nn.Module):
@@ -59,9 +59,7 @@ class EncoderBlock(nn.Module):
         chex.assert_rank(x, 3)
         chex.assert_axis_dimension(x, 2, cfg.model_dim)
         masks.check_valid_tokens(valid_tokens, x.shape[:2])
-        # A runtime 1.0 that XLA cannot fold away (see settle_gradient).
-        one = (jnp.sum(valid_tokens, dtype=jnp.int32) >= 0).astype(jnp.float32)
-        x = settle_gradient(x.astype(cfg.compute_dtype), one)
+        x = x.astype(cfg.compute_dtype)
 
         def attn(h: jax.Array) -> jax.Array:
             if cfg.ablate == "attention":
@@ -80,11 +78,9 @@ class EncoderBlock(nn.Module):
 
         if cfg.norm == "pre":
             u = self._record("after_attn", x + attn(self._record("norm1", self.attn_norm(x))))
-            u = settle_gradient(u, one)
             y = self._record("after_ffn", u + ffn(self._record("norm2", self.ffn_norm(u))))
         else:
             u = self._record("norm1", self.attn_norm(self._record("after_attn", x + attn(x))))
-            u = settle_gradient(u, one)
             y = self._record("norm2", self.ffn_norm(self._record("after_ffn", u + ffn(u))))
 
         chex.assert_equal_shape([x, y])
@@ -93,29 +89,3 @@ class EncoderBlock(nn.Module):
     def _record(self, name: str, value: jax.Array) -> jax.Array:
         self.sow("intermediates", name, value)
         return value
-
-
-@jax.custom_vjp
-def settle_gradient(x: jax.Array, one: jax.Array) -> jax.Array:
-    """Identity; its backward divides the incoming gradient by `one` (a runtime 1.0: exact).
-
-    Why: the residual stream's gradient is a chain of adds and norm backward passes through every
-    later block, and XLA's CPU fusion otherwise re-derives it inside each of its consumers (the norm
-    reductions, the input-gradient matmul and the transposed copy feeding each weight gradient):
-    O(K^2) elementwise work with strided reads. A division is an op XLA will not duplicate, so the
-    gradient is computed once per residual point and stored. Measured on a 2-core CPU, float32 training
-    step (python -m bench --only options: "no settle_gradient"): Pre-LN 1.20x faster at N16 L128 D256 K4
-    and 1.15x at N8 L256 D512 K4; Post-LN unchanged (0.99x). Values and gradients are bitwise the same.
-    """
-    return x
-
-
-def _settle_fwd(x: jax.Array, one: jax.Array) -> tuple[jax.Array, jax.Array]:
-    return x, one
-
-
-def _settle_bwd(one: jax.Array, g: jax.Array) -> tuple[jax.Array, jax.Array]:
-    return g / one.astype(g.dtype), jnp.zeros_like(one)
-
-
-settle_gradient.defvjp(_settle_fwd, _settle_bwd)

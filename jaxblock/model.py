@@ -21,6 +21,7 @@ from jaxblock.config import EncoderConfig, StackConfig
 from jaxblock.initializers import param
 from jaxblock.norms import make_norm
 from jaxblock.positions import sinusoidal_table
+from jaxblock.settle import settled_residuals
 
 # Remat lowers peak memory only together with scan_layers on XLA's CPU backend: with unrolled layers
 # its scheduler runs the recomputed forward early, so the step recomputes and keeps as much live
@@ -40,10 +41,11 @@ class _Layer(EncoderBlock):
     def __call__(  # type: ignore[override]
         self, x: jax.Array, valid_tokens: jax.Array, attn_mask: Any, segment_ids: Any, positions: Any
     ) -> Any:
-        y = super().__call__(
-            x, valid_tokens, attn_mask=attn_mask, segment_ids=segment_ids, positions=positions,
-            train=self.train,
-        )
+        with settled_residuals(self, valid_tokens):  # a CPU speed workaround: jaxblock/settle.py
+            y = super().__call__(
+                x, valid_tokens, attn_mask=attn_mask, segment_ids=segment_ids, positions=positions,
+                train=self.train,
+            )
         return (y, None) if self.scanned else y
 
 

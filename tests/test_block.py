@@ -1,9 +1,10 @@
-"""EncoderBlock: the two placements as DESIGN.md writes them, padding invariance, sublayer ablation,
-train vs eval, distinct norms, bf16, fully masked rows, segments, ToNNX, and input checks.
+"""EncoderBlock: the two placements (and their description in jaxblock.wiring), padding invariance,
+sublayer ablation, train vs eval, distinct norms, bf16, fully masked rows, segments, ToNNX, and input checks.
 
 Shapes: N=2, L=5, D=8, H=2, F=16; row 0 has 3 real tokens, row 1 has 5.
 """
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,6 +12,9 @@ import pytest
 from flax import nnx
 
 from jaxblock import BlockConfig, EncoderBlock, FeedForward, LayerNorm, RMSNorm, SelfAttention, unbox
+from jaxblock.block import RECORDED_SITES
+from jaxblock.diagnostics.reference import norm as reference_norm
+from jaxblock.wiring import BLOCK_INPUT, WIRINGS
 
 N, L, D = 2, 5, 8
 VALID = jnp.array([[True, True, True, False, False], [True] * L])
@@ -59,7 +63,7 @@ def _norm(cfg, params, x):
     return cls(cfg).apply({"params": params}, x)
 
 
-# --- 2. padding invariance -----------------------------------------------------------------------
+# --- padding invariance -----------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("activation", ACTIVATIONS)
@@ -79,7 +83,7 @@ def test_padding_invariance_and_its_failure_without_the_key_mask(norm, norm_type
     assert np.abs(z_noisy[0, :3] - z[0, :3]).max() > 1e-2
 
 
-# --- 3. sublayer ablation, and the wiring of each placement --------------------------------------
+# --- sublayer ablation, and the wiring of each placement --------------------------------------
 
 
 def _zero(params, *path):
@@ -162,7 +166,7 @@ def test_post_ln_output_is_normalized_per_token_and_pre_ln_output_is_not():
     assert np.abs(pre.var(-1) - 1.0).max() > 0.5
 
 
-# --- 4. train vs eval ----------------------------------------------------------------------------
+# --- train vs eval ----------------------------------------------------------------------------
 
 
 def test_eval_is_deterministic_and_training_draws_differ_by_key():
@@ -207,7 +211,7 @@ def test_each_dropout_site_alone_changes_the_training_output(site):
         assert np.abs(a_train - a_eval).max() > 1e-2
 
 
-# --- 5. two norms, two placements ------------------------------------------------------------------
+# --- two norms, two placements ------------------------------------------------------------------
 
 
 def test_two_distinct_norm_instances():
@@ -237,7 +241,7 @@ def test_parameter_count_without_bias():
     assert count == 12 * 16 * 16 + 2 * 16  # 4D^2 attention + 8D^2 FFN + two norm scales
 
 
-# --- 9. bfloat16 compute, float32 parameters -----------------------------------------------------
+# --- bfloat16 compute, float32 parameters -----------------------------------------------------
 
 
 def test_bfloat16_computes_in_bf16_with_float32_params():
@@ -255,7 +259,7 @@ def test_bfloat16_computes_in_bf16_with_float32_params():
     assert np.abs(y16 - y32).max() > 0.0  # it really ran in lower precision
 
 
-# --- 10. fully masked rows, segments ---------------------------------------------------------------
+# --- fully masked rows, segments ---------------------------------------------------------------
 
 
 @pytest.mark.parametrize("impl", ["xla", "unfused", "chunked"])
@@ -319,3 +323,37 @@ def test_bad_valid_tokens_fail_at_trace_time():
         fn(params, x, VALID[..., None])
     with pytest.raises(AssertionError):
         fn(params, x[..., :4], VALID)  # width 4 is not model_dim
+
+
+# --- the wiring description is what the block computes ---------------------------------------------
+
+
+@pytest.mark.parametrize("norm_type", ["layernorm", "rmsnorm"])
+@pytest.mark.parametrize("placement", ["pre", "post"])
+def test_the_wiring_description_is_what_the_block_computes(placement, norm_type):
+    """Order: the block records its sites in the wiring's order (seen at each `_record` call).
+    Dataflow: replaying the wiring in float64 from the block input and the recorded branches, with
+    each norm site's own instance, reproduces every recorded value and the output."""
+    cfg = _cfg(norm=placement, norm_type=norm_type)
+    wiring = WIRINGS[placement]
+    params, x = _params(cfg), _x()
+    order = []
+
+    def seen(next_fun, args, kwargs, ctx):
+        if isinstance(ctx.module, EncoderBlock) and ctx.method_name == "_record":
+            order.append(args[0])
+        return next_fun(*args, **kwargs)
+
+    with nn.intercept_methods(seen):
+        y, rec = _intermediates(cfg, params, x)
+    assert tuple(order) == wiring.order == RECORDED_SITES[placement]
+    real = np.asarray(VALID)
+    replay = wiring.replay(
+        np.asarray(x, np.float64)[real],
+        {s.name: np.asarray(rec[s.name], np.float64)[real] for s in wiring.sites if s.kind in ("attention", "FFN")},
+        lambda value, module: reference_norm(value, params[module], cfg),
+    )
+    for site in wiring.sites:
+        np.testing.assert_allclose(rec[site.name][real], replay[site.name], rtol=1e-5, atol=1e-5, err_msg=site.name)
+    np.testing.assert_allclose(y[real], replay[wiring.output], rtol=1e-5, atol=1e-5)
+    assert BLOCK_INPUT not in wiring.order and wiring.output_is_normalized == (placement == "post")

@@ -245,7 +245,44 @@ def test_structure_catches_a_norm_instance_applied_to_the_wrong_sublayer() -> No
     variables = init(model, batch)
     assert set(variables["params"]["layers_0"]) >= {"attn_norm", "ffn_norm"}
     result = dg.structure(model, variables, batch)
-    assert not dict((n, ok) for n, ok, _ in result.parts)["norm1 = attn_norm(its input), norm2 = ffn_norm(its input)"]
+    assert not dict((n, ok) for n, ok, _ in result.parts)["norm1 = attn_norm(x), norm2 = ffn_norm(after_attn)"]
+
+
+class FFNNormReadsInputBlock(EncoderBlock):
+    """Re-wired, nothing renamed: Pre-LN whose FFN norm reads the block input X instead of U."""
+
+    def __call__(self, x: jax.Array, valid_tokens: jax.Array, *, train: bool = False) -> jax.Array:  # type: ignore[override]
+        a = self._record("attn_branch", self.self_attn(self._record("norm1", self.attn_norm(x)), valid_tokens))
+        u = self._record("after_attn", x + a)
+        f = self._record("ffn_branch", self.ffn(self._record("norm2", self.ffn_norm(x))))
+        return self._record("after_ffn", u + f)
+
+
+class PostWiredBlock(EncoderBlock):
+    """Re-wired, nothing renamed: the Post-LN equations run under a Pre-LN config."""
+
+    def __call__(self, x: jax.Array, valid_tokens: jax.Array, *, train: bool = False) -> jax.Array:  # type: ignore[override]
+        a = self._record("attn_branch", self.self_attn(x, valid_tokens))
+        u = self._record("norm1", self.attn_norm(self._record("after_attn", x + a)))
+        f = self._record("ffn_branch", self.ffn(u))
+        return self._record("norm2", self.ffn_norm(self._record("after_ffn", u + f)))
+
+
+@pytest.mark.parametrize(("block", "ablation_fails"), [(FFNNormReadsInputBlock, False), (PostWiredBlock, True)])
+def test_a_rewired_block_with_the_same_names_fails_the_wiring_checks(block: type, ablation_fails: bool) -> None:
+    """Same submodules, same parameter tree, same recorded names: only the wiring differs, and the
+    checks that replay the shared wiring description (jaxblock.wiring.PRE_LN) catch it."""
+    batch = float_batch()
+    model = variant(block)
+    variables = init(model, batch)
+    reference = init(variant(EncoderBlock), batch)
+    assert jax.tree.structure(variables) == jax.tree.structure(reference)
+    result = dg.structure(model, variables, batch)
+    parts = {n: ok for n, ok, _ in result.parts}
+    assert not parts["every recorded value and the output follow the Pre-LN wiring"], str(result)
+    assert not parts["norm1 = attn_norm(x), norm2 = ffn_norm(after_attn)"], str(result)
+    # Ablation replays the wiring from the recorded branches: only a change of the add/norm order shows there.
+    assert dg.sublayer_ablation(model, variables, batch).passed is not ablation_fails
 
 
 def test_first_nonfinite_names_block_3_ffn() -> None:

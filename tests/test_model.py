@@ -1,7 +1,7 @@
 """EncoderStack, Encoder, pooling and Classifier: final norm by placement, scan and remat equivalence,
 padding invariance of the pooled logits (and its failure without either mask), packed rows, bf16.
 
-Shapes: N=2, L=6, D=8, H=2, F=16, K=2 layers, V=11, C=3; row 0 has 4 real tokens, row 1 has 6.
+Shapes: N=2, L=6, D=8, H=2, F=16, B=2 blocks, V=11, C=3; row 0 has 4 real tokens, row 1 has 6.
 """
 
 import jax
@@ -72,7 +72,7 @@ def _logits(cfg, params, tokens=TOKENS, valid=VALID, **kw) -> np.ndarray:
     return np.asarray(Classifier(cfg).apply({"params": params}, tokens, valid, **kw))
 
 
-# --- 3. the stack: K blocks and the final norm by placement -----------------------------------------
+# --- the stack: K blocks and the final norm by placement -----------------------------------------
 
 
 def test_stack_is_its_blocks_in_order_then_the_final_norm():
@@ -107,7 +107,7 @@ def test_post_ln_stack_has_no_final_norm_unless_asked():
     np.testing.assert_allclose(np.asarray(_stack(with_norm, params, _x())), np.asarray(expected), atol=1e-6)
 
 
-# --- 8. scan over layers and remat ---------------------------------------------------------------
+# --- scan over layers and remat ---------------------------------------------------------------
 
 
 def test_scan_matches_the_unrolled_stack_and_the_converters_round_trip():
@@ -204,7 +204,7 @@ def test_segment_mean_averages_each_segment():
     np.testing.assert_allclose(np.asarray(segment_mean(x, valid, seg, 3)), [[[2.0], [15.0], [0.0]]])
 
 
-# --- 2. padding invariance of the pooled logits -----------------------------------------------------
+# --- padding invariance of the pooled logits -----------------------------------------------------
 
 
 @pytest.mark.parametrize("activation", ["relu", "gelu", "gelu_tanh", "swiglu", "geglu"])
@@ -244,7 +244,7 @@ def test_padding_invariance_fails_without_either_mask():
     assert np.abs(no_pool_mask[1][0] - no_pool_mask[0][0]).max() > 1e-3  # and on the padded tokens' ids
 
 
-# --- 10. packed rows, fully masked rows ------------------------------------------------------------
+# --- packed rows, fully masked rows ------------------------------------------------------------
 
 
 def test_a_packed_row_equals_its_examples_run_separately():
@@ -316,3 +316,45 @@ def test_non_finite_padding_never_reaches_real_outputs_or_logits():
     poisoned = model.apply(variables, poisoned_tokens, valid)
     assert bool(jnp.all(jnp.isfinite(poisoned)))
     np.testing.assert_allclose(np.asarray(poisoned), np.asarray(clean), rtol=1e-6, atol=1e-6)
+
+
+# --- the CPU residual-gradient workaround (jaxblock.settle) changes no bit -------------------------
+
+
+def test_settle_gradient_is_an_exact_identity_forward_and_backward():
+    from jaxblock.settle import settle_gradient
+
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(2, 3, 4)), jnp.float32)
+    w = jnp.asarray(np.random.default_rng(1).normal(size=(2, 3, 4)), jnp.float32)
+    one = jnp.ones((), jnp.float32)
+    np.testing.assert_array_equal(settle_gradient(x, one), x)
+    g = jax.grad(lambda x: jnp.sum(jnp.sin(settle_gradient(x, one)) * w))(x)
+    np.testing.assert_array_equal(g, jnp.cos(x) * w)  # bit-for-bit: the backward divides by exactly 1.0
+
+
+@pytest.mark.parametrize("scan", [False, True])
+@pytest.mark.parametrize("norm", ["pre", "post"])
+def test_the_stack_settles_each_residual_stream_point_on_cpu_only_and_changes_no_bit(norm, scan):
+    """Settled: 2 points per block (its input and the stream between sublayers, from the wiring).
+    Loss and gradients are bitwise those of the unsettled stack."""
+    from jaxblock import settle
+
+    cfg = StackConfig(num_layers=2, scan_layers=scan, block={**BLOCK, "norm": norm})
+    model = EncoderStack(cfg)
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(N, L, D)), jnp.float32)
+    params = unbox(model.init(jax.random.key(0), x, VALID))["params"]
+
+    results, counts = {}, {}
+    for on in (True, False):
+
+        def loss(p, x):  # a new function per setting: JAX caches traces by function
+            return jnp.sum(jnp.sin(model.apply({"params": p}, x, VALID)))
+
+        with settle.forced(on):
+            counts[on] = str(jax.make_jaxpr(loss)(params, x)).count("name=settle_gradient")
+            results[on] = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(params, x)
+    assert counts[False] == 0 and counts[True] >= 2
+    if not scan:  # (a scanned body's jaxpr is printed per use, not per block)
+        assert counts[True] == 2 * cfg.num_layers
+    jax.tree.map(np.testing.assert_array_equal, results[True], results[False])
+    assert settle.applies() == (jax.default_backend() == "cpu")
