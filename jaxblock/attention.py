@@ -1,7 +1,8 @@
 """Multi-head self-attention with padding masks, causal, GQA, RoPE and a choice of kernel.
 
 Shapes: x [N, L, D]; q [N, L, H, K]; k, v [N, L, G, K] with G key/value heads (G divides H,
-R = H / G query heads share one k/v head); output [N, L, D].
+R = H / G query heads share one k/v head); output [N, L, D]. Inside the einsums Q and M index query
+and key positions (both of length L) and J a key block of the chunked kernel.
 
 Parameters (one submodule each, so the tree maps onto PyTorch's in_proj/out_proj):
 query kernel [D, H, K], key/value kernels [D, G, K], out kernel [H, K, D]; biases [H, K], [G, K], [D].
@@ -186,14 +187,14 @@ class SelfAttention(nn.Module):
         g = k.shape[2]
         qg = q.reshape(n, length, g, h // g, kdim)  # [N, L, G, R, K]
         logits = jnp.einsum(
-            "NQGRK,NSGK->NGRQS", qg, k, preferred_element_type=jnp.float32
+            "NQGRK,NMGK->NGRQM", qg, k, preferred_element_type=jnp.float32
         ) / math.sqrt(kdim)  # [N, G, R, L, L]
         m = mask[:, :, None]  # [N, 1, 1, L, L]
         logits = jnp.where(m, logits, _NEG)
         weights = jnp.where(m, jax.nn.softmax(logits, axis=-1), 0.0)
         self.sow("intermediates", "attention_weights", weights.reshape(n, h, length, length))
         weights = self.weights_dropout(weights, deterministic=not train)
-        ctx = jnp.einsum("NGRQS,NSGK->NQGRK", weights.astype(v.dtype), v)
+        ctx = jnp.einsum("NGRQM,NMGK->NQGRK", weights.astype(v.dtype), v)
         return ctx.reshape(n, length, h, kdim)
 
     def _fused(
@@ -231,9 +232,9 @@ def chunked_attention(
     segment_ids: jax.Array | None,
     chunk_size: int,
 ) -> jax.Array:
-    """Memory-efficient attention: online softmax over key blocks of `chunk_size` (C).
+    """Memory-efficient attention: online softmax over key blocks of `chunk_size` (J).
 
-    Never materializes [L, L] scores: the forward holds [N, G, R, L, C] per key block and keeps only
+    Never materializes [L, L] scores: the forward holds [N, G, R, L, J] per key block and keeps only
     the output and the per-query log-sum-exp; the backward (flash-attention style, a custom VJP)
     recomputes each block's probabilities from them. Memory therefore grows linearly in L.
     Same masks and the same exact-zero rule for queries with no visible key.
@@ -257,7 +258,7 @@ def chunked_attention(
 
 
 class _KeyMasks(NamedTuple):
-    """What decides whether query i may see key j, with keys padded to Lp (a multiple of C)."""
+    """What decides whether query i may see key j, with keys padded to Lp (a multiple of J)."""
 
     valid: jax.Array  # bool[N, Lp]
     seg: jax.Array  # int[N, L]: the queries' segments
@@ -266,19 +267,19 @@ class _KeyMasks(NamedTuple):
 
 
 def _block_mask(m: _KeyMasks, start: jax.Array, c: int, causal: bool) -> jax.Array:
-    """bool[N, 1, 1, L, C]: the (query, key) pairs of key block [start, start + C) that may attend."""
+    """bool[N, 1, 1, L, J]: the (query, key) pairs of key block [start, start + J) that may attend."""
     length = m.seg.shape[1]
-    ok = jax.lax.dynamic_slice_in_dim(m.valid, start, c, axis=1)[:, None, :]  # [N, 1, C]
+    ok = jax.lax.dynamic_slice_in_dim(m.valid, start, c, axis=1)[:, None, :]  # [N, 1, J]
     ok = ok & (m.seg[:, :, None] == jax.lax.dynamic_slice_in_dim(m.seg_keys, start, c, axis=1)[:, None, :])
     if m.attn_mask is not None:
-        ok = ok & jax.lax.dynamic_slice_in_dim(m.attn_mask, start, c, axis=2)  # [1 or N, L, C]
+        ok = ok & jax.lax.dynamic_slice_in_dim(m.attn_mask, start, c, axis=2)  # [1 or N, L, J]
     if causal:
         ok = ok & (jnp.arange(length)[:, None] >= (start + jnp.arange(c))[None, :])[None]
-    return ok[:, None, None]  # [N, L, C] -> [N, 1, 1, L, C]
+    return ok[:, None, None]  # [N, L, J] -> [N, 1, 1, L, J]
 
 
 def _block(kp: jax.Array, vp: jax.Array, start: jax.Array, c: int) -> tuple[jax.Array, jax.Array]:
-    return (jax.lax.dynamic_slice_in_dim(kp, start, c, axis=1),  # [N, C, G, K]
+    return (jax.lax.dynamic_slice_in_dim(kp, start, c, axis=1),  # [N, J, G, K]
             jax.lax.dynamic_slice_in_dim(vp, start, c, axis=1))
 
 
@@ -298,12 +299,12 @@ def _flash_fwd(
         m_run, l_run, acc = carry
         k_c, v_c = _block(kp, vp, i * c, c)
         mk = _block_mask(m, i * c, c, causal)
-        s = jnp.einsum("NQGRK,NCGK->NGRQC", qg, k_c, preferred_element_type=jnp.float32) * scale
+        s = jnp.einsum("NQGRK,NJGK->NGRQJ", qg, k_c, preferred_element_type=jnp.float32) * scale
         s = jnp.where(mk, s, _NEG)
         m_new = jnp.maximum(m_run, jnp.max(s, axis=-1))  # [N, G, R, L]
-        p = jnp.where(mk, jnp.exp(s - m_new[..., None]), 0.0)  # [N, G, R, L, C]
+        p = jnp.where(mk, jnp.exp(s - m_new[..., None]), 0.0)  # [N, G, R, L, J]
         corr = jnp.exp(m_run - m_new)
-        pv = jnp.einsum("NGRQC,NCGK->NGRQK", p.astype(vp.dtype), v_c, preferred_element_type=jnp.float32)
+        pv = jnp.einsum("NGRQJ,NJGK->NGRQK", p.astype(vp.dtype), v_c, preferred_element_type=jnp.float32)
         return (m_new, l_run * corr + jnp.sum(p, axis=-1), acc * corr[..., None] + pv), None
 
     init = (
@@ -329,17 +330,17 @@ def _flash_bwd(causal: bool, c: int, res: tuple[Any, ...], dout: jax.Array) -> t
     def body(dq: jax.Array, i: jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
         k_c, v_c = _block(kp, vp, i * c, c)
         mk = _block_mask(m, i * c, c, causal)
-        s = jnp.einsum("NQGRK,NCGK->NGRQC", qg, k_c, preferred_element_type=jnp.float32) * scale
-        p = jnp.where(mk, jnp.exp(s - lse[..., None]), 0.0)  # [N, G, R, L, C]
-        dv = jnp.einsum("NGRQC,NGRQK->NCGK", p.astype(vp.dtype), do, preferred_element_type=jnp.float32)
-        dp = jnp.einsum("NGRQK,NCGK->NGRQC", do, v_c, preferred_element_type=jnp.float32)
+        s = jnp.einsum("NQGRK,NJGK->NGRQJ", qg, k_c, preferred_element_type=jnp.float32) * scale
+        p = jnp.where(mk, jnp.exp(s - lse[..., None]), 0.0)  # [N, G, R, L, J]
+        dv = jnp.einsum("NGRQJ,NGRQK->NJGK", p.astype(vp.dtype), do, preferred_element_type=jnp.float32)
+        dp = jnp.einsum("NGRQK,NJGK->NGRQJ", do, v_c, preferred_element_type=jnp.float32)
         ds = (p * (dp - delta[..., None]) * scale).astype(qg.dtype)
-        dq = dq + jnp.einsum("NGRQC,NCGK->NQGRK", ds, k_c, preferred_element_type=jnp.float32)
-        dk = jnp.einsum("NGRQC,NQGRK->NCGK", ds, qg, preferred_element_type=jnp.float32)
+        dq = dq + jnp.einsum("NGRQJ,NJGK->NQGRK", ds, k_c, preferred_element_type=jnp.float32)
+        dk = jnp.einsum("NGRQJ,NQGRK->NJGK", ds, qg, preferred_element_type=jnp.float32)
         return dq, (dk.astype(kp.dtype), dv.astype(vp.dtype))
 
     dq, (dk, dv) = jax.lax.scan(body, jnp.zeros(qg.shape, jnp.float32), jnp.arange(kp.shape[1] // c))
-    # Per-block key gradients [Lp/C, N, C, G, K] -> [N, Lp, G, K]
+    # Per-block key gradients [Lp/J, N, J, G, K] -> [N, Lp, G, K]
     dk = jnp.moveaxis(dk, 0, 1).reshape(kp.shape)
     dv = jnp.moveaxis(dv, 0, 1).reshape(vp.shape)
     no_grad = jax.tree.map(lambda _: None, m)  # masks are not differentiable

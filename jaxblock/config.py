@@ -1,7 +1,8 @@
 """Typed, frozen, validated configs for the block, the stack and the encoder.
 
 Shape letters used across the library: N batch, L length, D model width, H query heads,
-G key/value heads, K head width (D / H), F FFN inner width, C classes, V vocabulary.
+G key/value heads, K head width (D / H), F FFN inner width, B blocks, C classes, V vocabulary
+(the full alphabet: jaxblock/__init__.py and docs/contracts.md).
 
 Every config is a frozen pydantic model that rejects unknown keys. A bad value fails at
 construction with a message that names the field and says how to fix it.
@@ -109,9 +110,9 @@ class BlockConfig(_Frozen):
 
 
 class StackConfig(_Frozen):
-    """K blocks and the final norm: what PyTorch's nn.TransformerEncoder is."""
+    """B blocks and the final norm: what PyTorch's nn.TransformerEncoder is."""
 
-    num_layers: int = Field(4, gt=0, description="K: number of blocks.")
+    num_layers: int = Field(4, gt=0, description="B: number of blocks.")
     final_norm: bool | None = Field(
         None, description="Norm after the last block; None follows the placement (pre: yes, post: no)."
     )

@@ -1,8 +1,8 @@
-"""EncoderStack (K blocks + final norm), Encoder (embedding + positions + stack), pooling, Classifier.
+"""EncoderStack (B blocks + final norm), Encoder (embedding + positions + stack), pooling, Classifier.
 
-Parameter tree (unrolled): stack/layers_0 ... layers_{K-1}/{attn_norm, self_attn/{query,key,value,out},
+Parameter tree (unrolled): stack/layers_0 ... layers_{B-1}/{attn_norm, self_attn/{query,key,value,out},
 ffn_norm, ffn/{linear1, [gate,] linear2}}, stack/final_norm. With `scan_layers` the blocks live under
-stack/layers with a leading [K] axis (logical name 'layers'); `stack_layer_params` and
+stack/layers with a leading [B] axis (logical name 'layers'); `stack_layer_params` and
 `unstack_layer_params` convert between the two trees.
 """
 
@@ -25,7 +25,7 @@ from jaxblock.settle import settled_residuals
 
 # Remat lowers peak memory only together with scan_layers on XLA's CPU backend: with unrolled layers
 # its scheduler runs the recomputed forward early, so the step recomputes and keeps as much live
-# (measured: N=4 L=512 D=256 K=4 step plans 436 MiB with or without remat; scan + remat full 166 MiB).
+# (measured: N=4 L=512 D=256 B=4 step plans 436 MiB with or without remat; scan + remat full 166 MiB).
 _REMAT_POLICIES = {
     "full": None,  # save nothing: recompute the whole block in the backward pass
     "dots": jax.checkpoint_policies.dots_saveable,
@@ -50,7 +50,7 @@ class _Layer(EncoderBlock):
 
 
 class EncoderStack(nn.Module):
-    """(x [N, L, D], valid_tokens bool[N, L]) -> [N, L, D]: K blocks, then the final norm if any."""
+    """(x [N, L, D], valid_tokens bool[N, L]) -> [N, L, D]: B blocks, then the final norm if any."""
 
     config: StackConfig
 
@@ -199,7 +199,7 @@ class Classifier(nn.Module):
 
 
 def stack_layer_params(tree: Any) -> Any:
-    """Per-layer tree (layers_0..layers_{K-1}) -> scanned tree (layers with a leading [K] axis).
+    """Per-layer tree (layers_0..layers_{B-1}) -> scanned tree (layers with a leading [B] axis).
 
     Works on any (unboxed) variables dict; every dict holding layers_i keys is converted.
     """
@@ -213,7 +213,7 @@ def stack_layer_params(tree: Any) -> Any:
 
 
 def unstack_layer_params(tree: Any) -> Any:
-    """Scanned tree (layers with a leading [K] axis) -> per-layer tree (layers_0..layers_{K-1})."""
+    """Scanned tree (layers with a leading [B] axis) -> per-layer tree (layers_0..layers_{B-1})."""
     if not isinstance(tree, dict):
         return tree
     out = {k: unstack_layer_params(v) for k, v in tree.items() if k != "layers"}

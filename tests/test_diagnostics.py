@@ -29,7 +29,7 @@ from jaxblock import diagnostics as dg
 from jaxblock.norms import make_norm
 
 # The shapes of configs/tiny.yaml diagnosed with --batch-size 4: eager op compilations are shared.
-N, L, D, F, K, V, C = 4, 16, 32, 64, 4, 259, 2
+N, L, D, F, B, V, C = 4, 16, 32, 64, 4, 259, 2
 BLOCK = dict(model_dim=D, num_heads=2, ffn_dim=F)
 
 
@@ -60,7 +60,7 @@ def float_batch(seed: int = 0) -> dict[str, jax.Array]:
 
 
 def classifier(norm: str = "pre", **stack: Any) -> Classifier:
-    return Classifier(EncoderConfig(num_layers=K, vocab_size=V, max_len=L, num_classes=C,
+    return Classifier(EncoderConfig(num_layers=B, vocab_size=V, max_len=L, num_classes=C,
                                     block=dict(BLOCK, norm=norm), **stack))
 
 
@@ -119,7 +119,7 @@ class SharedNormBlock(EncoderBlock):
 
 
 def variant(block: type, **stack: Any) -> VariantStack:
-    return VariantStack(StackConfig(num_layers=K, block=BLOCK, **stack), block)
+    return VariantStack(StackConfig(num_layers=B, block=BLOCK, **stack), block)
 
 
 def checks(model: nn.Module, variables: Any, batch: Any) -> dict[str, dg.CheckResult]:
@@ -138,20 +138,20 @@ def test_all_checks_pass_on_the_classifier(norm: str) -> None:
     d = dg.run_all(model, model.init(jax.random.key(0), batch["tokens"], batch["valid_tokens"]), batch,
                    classification_loss)
     assert d.failed == [], "\n".join(str(r) for r in d.results)
-    assert len(d.ratios.attn) == len(d.grads.input_grad) == K
+    assert len(d.ratios.attn) == len(d.grads.input_grad) == B
     assert all(0.0 < r < 10.0 for r in d.ratios.attn + d.ratios.ffn)
-    assert set(d.ratios.as_metrics()) == {f"residual_ratio/{s}/layer_{i}" for s in ("attn", "ffn") for i in range(K)}
+    assert set(d.ratios.as_metrics()) == {f"residual_ratio/{s}/layer_{i}" for s in ("attn", "ffn") for i in range(B)}
     determinism = d.checks[-1]
     assert [p[0] for p in determinism.parts][-2:] == ["train differs between dropout keys", "train differs from eval"]
 
 
 def test_all_checks_pass_on_a_scanned_stack_and_match_the_unrolled_one() -> None:
     batch = float_batch()
-    scanned = EncoderStack(StackConfig(num_layers=K, scan_layers=True, block=BLOCK))
-    unrolled = EncoderStack(StackConfig(num_layers=K, block=BLOCK))
-    # A stacked tree (leading [K] axis), made without compiling the scanned init.
+    scanned = EncoderStack(StackConfig(num_layers=B, scan_layers=True, block=BLOCK))
+    unrolled = EncoderStack(StackConfig(num_layers=B, block=BLOCK))
+    # A stacked tree (leading [B] axis), made without compiling the scanned init.
     variables = stack_layer_params(init(unrolled, batch))
-    assert variables["params"]["layers"]["ffn"]["linear2"]["kernel"].shape == (K, F, D)
+    assert variables["params"]["layers"]["ffn"]["linear2"]["kernel"].shape == (B, F, D)
     results: list[Any] = [*checks(scanned, variables, batch).values(),
                           dg.train_eval_determinism(scanned, variables, batch),
                           dg.first_nonfinite(scanned, variables, batch)]
@@ -204,7 +204,7 @@ def test_padding_invariance_catches_it_in_pooled_logits_too() -> None:
 
 def test_structure_catches_a_missing_final_norm() -> None:
     batch = float_batch()
-    model = EncoderStack(StackConfig(num_layers=K, final_norm=False, block=BLOCK))
+    model = EncoderStack(StackConfig(num_layers=B, final_norm=False, block=BLOCK))
     results = checks(model, init(model, batch), batch)
     assert results["padding_invariance"].passed and results["sublayer_ablation"].passed
     assert not results["structure"].passed
@@ -304,7 +304,7 @@ def test_first_nonfinite_names_block_3_ffn() -> None:
 def test_first_nonfinite_follows_the_post_ln_execution_order() -> None:
     """Post-LN runs attention on the raw block input: a NaN in layer 1's query names layer 1's attention."""
     batch = float_batch()
-    model = EncoderStack(StackConfig(num_layers=K, block=dict(BLOCK, norm="post")))
+    model = EncoderStack(StackConfig(num_layers=B, block=dict(BLOCK, norm="post")))
     variables = init(model, batch)
     q = variables["params"]["layers_1"]["self_attn"]["query"]["kernel"]
     variables["params"]["layers_1"]["self_attn"]["query"]["kernel"] = q.at[0, 0, 0].set(jnp.inf)
@@ -321,7 +321,7 @@ def test_first_nonfinite_follows_the_post_ln_execution_order() -> None:
 def test_residual_ratio_scales_with_the_branch_and_fails_above_the_limit() -> None:
     """Scaling layer 1's attention out projection by 10 scales exactly its attention ratio by 10."""
     batch = float_batch()
-    model = EncoderStack(StackConfig(num_layers=K, block=BLOCK))
+    model = EncoderStack(StackConfig(num_layers=B, block=BLOCK))
     variables = init(model, batch)
     base = dg.residual_ratios(model, variables, batch)
     out = variables["params"]["layers_1"]["self_attn"]["out"]
@@ -341,7 +341,7 @@ def test_residual_ratio_scales_with_the_branch_and_fails_above_the_limit() -> No
 
 def test_grad_norms_match_direct_gradients() -> None:
     batch = float_batch()
-    model = EncoderStack(StackConfig(num_layers=K, block=BLOCK))
+    model = EncoderStack(StackConfig(num_layers=B, block=BLOCK))
     variables = init(model, batch)
     g = dg.grad_norms_by_depth(model, variables, batch, projection_loss)
 
@@ -351,13 +351,13 @@ def test_grad_norms_match_direct_gradients() -> None:
 
     gp, gx = jax.grad(loss, argnums=(0, 1))(variables["params"], batch["x"])
     np.testing.assert_allclose(g.input_grad[0], np.linalg.norm(gx), rtol=1e-5)
-    for i in range(K):
+    for i in range(B):
         leaves = jax.tree.leaves(gp[f"layers_{i}"])
         np.testing.assert_allclose(g.param_grad[i], np.sqrt(sum(np.sum(np.square(x)) for x in leaves)), rtol=1e-5)
         kernel = gp[f"layers_{i}"]["ffn"]["linear2"]["kernel"]
         np.testing.assert_allclose(g.ffn_out_kernel_grad[i], np.linalg.norm(kernel), rtol=1e-5)
-    assert g.passed and g.input_grad[K - 1] > 0
-    assert set(g.as_metrics()) == {f"grad_norm/{s}/layer_{i}" for s in ("input", "params") for i in range(K)}
+    assert g.passed and g.input_grad[B - 1] > 0
+    assert set(g.as_metrics()) == {f"grad_norm/{s}/layer_{i}" for s in ("input", "params") for i in range(B)}
 
 
 # --- python -m train diagnose ---------------------------------------------------------------------
@@ -435,7 +435,7 @@ def test_checks_run_on_an_encoder_too() -> None:
     from jaxblock import Encoder
 
     batch = token_batch()
-    model = Encoder(EncoderConfig(num_layers=K, vocab_size=V, max_len=L, block=BLOCK))
+    model = Encoder(EncoderConfig(num_layers=B, vocab_size=V, max_len=L, block=BLOCK))
     variables = init(model, batch)
     results = checks(model, variables, batch)
     assert all(r.passed for r in results.values()), "\n".join(map(str, results.values()))

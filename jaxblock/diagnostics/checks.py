@@ -92,7 +92,7 @@ def _replayed(w: Wiring, t: Trace, params: list[Any], cfg: Any, valid: Any, i: i
 
 def sublayer_ablation(model: nn.Module, variables: Any, batch: Batch, *, tol: float = 1e-4) -> CheckResult:
     """Zero one branch's last projection: each block must equal its wiring with that branch zero
-    (Pre-LN: y = x + S(LN(x)); Post-LN: y = LN2(LN1(x) + FFN) or LN2(LN1(x + MHA)))."""
+    (Pre-LN: y = x + branch(LN(x)); Post-LN: y = LN2(LN1(x) + FFN) or LN2(LN1(x + MHA)))."""
     model, v = prepare(model, variables)
     cfg, w = block_config(model), wiring(model)
     valid = batch["valid_tokens"]

@@ -15,8 +15,8 @@ from jaxblock.diagnostics.reference import f64, fmt_list
 
 @dataclass
 class ResidualRatios:
-    """||branch|| / ||residual input|| per layer over real tokens: Pre-LN ||S(LN(x))||/||x||,
-    Post-LN ||S(x)||/||x||. A jump to tens of times signals a learning rate, init or numerics problem."""
+    """||branch|| / ||residual input|| per layer over real tokens: Pre-LN ||branch(LN(x))||/||x||,
+    Post-LN ||branch(x)||/||x||. A jump to tens of times signals a learning rate, init or numerics problem."""
 
     placement: str
     attn: list[float]
