@@ -87,5 +87,6 @@ class EncoderBlock(nn.Module):
         return y
 
     def _record(self, name: str, value: jax.Array) -> jax.Array:
+        """Sow `value` as the recorded site `name` and pass it on (jaxblock.settle intercepts here)."""
         self.sow("intermediates", name, value)
         return value

@@ -83,7 +83,7 @@ def first_nonfinite(model: nn.Module, variables: Any, batch: Batch) -> NonFinite
         return int(np.sum(~np.isfinite(f64(x))))
 
     if t.inputs and bad(t.inputs[0]):
-        first = "/".join(t.paths[0])
+        first = t.paths[0][-1]  # the first block module's name
         return NonFinite(False, None, "embedding", f"{first} input", bad(t.inputs[0]), Stats.of(t.inputs[0]))
     for i, rec in enumerate(t.records):
         values = {**rec, BLOCK_INPUT: t.inputs[i]}
