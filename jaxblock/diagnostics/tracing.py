@@ -131,14 +131,9 @@ def trace(
 
 
 def block_paths(model: nn.Module, variables: Mapping[str, Any], batch: Batch) -> list[Path]:
-    """The blocks' module paths in call order, found by an abstract (shape-only) forward pass."""
-    found: list[list[Path]] = []
-
-    def run() -> None:
-        found.append(trace(model, variables, batch).paths)
-
-    jax.eval_shape(run)
-    return found[0]
+    """The blocks' module paths in call order, from one forward pass (concrete, not abstract:
+    models may check their inputs' values, e.g. token ids against the vocabulary)."""
+    return trace(model, variables, batch).paths
 
 
 def subtree(tree: Any, path: Path) -> Any:
