@@ -91,24 +91,26 @@ class SelfAttention(nn.Module):
         zero_bias = bias_init(cfg.init, d, ("heads", "head_dim"), zero=True)
         zero_kv_bias = bias_init(cfg.init, d, ("kv_heads", "head_dim"), zero=True)
 
-        def proj(kshape: tuple[int, ...], kinit: Any, bshape: tuple[int, ...], binit: Any) -> Weights:
-            return Weights(kshape, kinit, bshape, binit, cfg.use_bias, cfg.params_dtype)
+        def proj(
+            kshape: tuple[int, ...], kinit: Any, bshape: tuple[int, ...], binit: Any, use_bias: bool
+        ) -> Weights:
+            return Weights(kshape, kinit, bshape, binit, use_bias, cfg.params_dtype)
 
         self.query = proj(
             (d, h, k), kernel_init(cfg.init, d, 0, (1, 2), ("embed", "heads", "head_dim"), xavier),
-            (h, k), zero_bias,
+            (h, k), zero_bias, cfg.has_qkv_bias,
         )
         self.key = proj(
             (d, g, k), kernel_init(cfg.init, d, 0, (1, 2), ("embed", "kv_heads", "head_dim"), xavier),
-            (g, k), zero_kv_bias,
+            (g, k), zero_kv_bias, cfg.has_qkv_bias,
         )
         self.value = proj(
             (d, g, k), kernel_init(cfg.init, d, 0, (1, 2), ("embed", "kv_heads", "head_dim"), xavier),
-            (g, k), zero_kv_bias,
+            (g, k), zero_kv_bias, cfg.has_qkv_bias,
         )
         self.out = proj(
             (h, k, d), kernel_init(cfg.init, d, (0, 1), 2, ("heads", "head_dim", "embed")),
-            (d,), bias_init(cfg.init, d, ("embed",), zero=True),
+            (d,), bias_init(cfg.init, d, ("embed",), zero=True), cfg.has_out_bias,
         )
         self.weights_dropout = nn.Dropout(cfg.attn_dropout)
 
