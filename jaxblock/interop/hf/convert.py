@@ -202,7 +202,7 @@ def to_hf(config: EncoderConfig, variables: Any, *, family: str | None = None, *
     if set(sd) != set(expected):
         raise UnsupportedConfigError(f"{cls.__name__} holds {sorted(set(expected) ^ set(sd))[:3]} that the variables "
                                 "do not (or the reverse): pass the variables built for this config")
-    model.load_state_dict({k: torch.from_numpy(v).to(expected[k].dtype) for k, v in sd.items()}, strict=True)
+    model.load_state_dict({k: torch.from_numpy(np.array(v)).to(expected[k].dtype) for k, v in sd.items()}, strict=True)
     return model.eval()
 
 

@@ -1,0 +1,277 @@
+"""jaxblock.interop.hf against transformers: tiny random models saved with save_pretrained, no network."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from jaxblock import Classifier, Encoder, EncoderConfig  # noqa: E402
+from jaxblock.interop import hf  # noqa: E402
+
+FAMILIES = ("bert", "roberta", "distilbert", "llama", "mistral", "qwen2")
+VOCAB, PAD = 40, 1
+LENGTHS = (12, 7, 3)  # right padding: rows 1 and 2 end in padding
+_SMALL = dict(vocab_size=VOCAB, num_hidden_layers=2, num_attention_heads=4, intermediate_size=96, hidden_size=64)
+
+
+def hf_config(family: str, **extra: Any) -> Any:
+    """A small float32 config per family; Llama-family ones use GQA (4 query heads, 2 key/value heads)."""
+    rope = dict(num_key_value_heads=2, max_position_embeddings=64, pad_token_id=PAD)
+    kw: dict[str, Any] = {
+        "bert": lambda: transformers.BertConfig(**_SMALL, pad_token_id=PAD),
+        "roberta": lambda: transformers.RobertaConfig(**_SMALL, max_position_embeddings=40, pad_token_id=PAD),
+        "distilbert": lambda: transformers.DistilBertConfig(
+            vocab_size=VOCAB, dim=64, n_layers=2, n_heads=4, hidden_dim=96, max_position_embeddings=40,
+            pad_token_id=PAD),
+        "llama": lambda: transformers.LlamaConfig(**_SMALL, **rope, rope_parameters={"rope_type": "default",
+                                                                                        "rope_theta": 500.0}),
+        "mistral": lambda: transformers.MistralConfig(**_SMALL, **rope, sliding_window=None),
+        "qwen2": lambda: transformers.Qwen2Config(**_SMALL, **rope),
+    }
+    cfg = kw[family]()
+    for k, v in extra.items():
+        setattr(cfg, k, v)
+    return cfg
+
+
+_CLASS = {"bert": "Bert", "roberta": "Roberta", "distilbert": "DistilBert", "llama": "Llama",
+          "mistral": "Mistral", "qwen2": "Qwen2"}
+
+
+def build(family: str, head: bool = False, seed: int = 0, **extra: Any) -> Any:
+    """A randomly initialized transformers model; biases and norm weights perturbed so none is trivial."""
+    torch.manual_seed(seed)
+    cls = getattr(transformers, _CLASS[family] + ("ForSequenceClassification" if head else "Model"))
+    cfg = hf_config(family, **({"num_labels": 3} if head else {}) | extra)
+    model = cls(cfg, add_pooling_layer=False) if family in ("bert", "roberta") and not head else cls(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name.lower():
+                p.add_(0.1 * torch.randn_like(p))
+    return model.eval()
+
+
+def batch(seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """tokens int[3, 12] in [2, V) with PAD after each row's length, valid bool[3, 12], token types 0/1."""
+    rng = np.random.default_rng(seed)
+    valid = np.arange(12)[None] < np.asarray(LENGTHS)[:, None]
+    tokens = np.where(valid, rng.integers(2, VOCAB, (3, 12)), PAD)
+    types = ((np.arange(12)[None] >= 4) & valid).astype(np.int64)
+    return tokens, valid, types
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, bool], tuple[Any, Path]]:
+    """Every family, base and classifier, built and written with save_pretrained (safetensors)."""
+    out = {}
+    for family in FAMILIES:
+        for head in (False, True):
+            model = build(family, head)
+            path = tmp_path_factory.mktemp(f"{family}{'_cls' if head else ''}")
+            model.save_pretrained(path)
+            out[family, head] = model, path
+    return out
+
+
+def _hidden(model: Any, tokens: np.ndarray, valid: np.ndarray, types: np.ndarray | None) -> np.ndarray:
+    kw = {} if types is None else {"token_type_ids": torch.from_numpy(types)}
+    with torch.no_grad():
+        out = model(input_ids=torch.from_numpy(tokens), attention_mask=torch.from_numpy(valid.astype(np.int64)), **kw)
+    return out.last_hidden_state.numpy()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_encoder_from_a_directory_matches_the_last_hidden_state(saved: Any, family: str) -> None:
+    model, path = saved[family, False]
+    tokens, valid, types = batch(3)
+    cfg, variables = hf.from_hf(path)
+    type_ids = types if cfg.type_vocab_size else None
+    ours = Encoder(cfg).apply(variables, jnp.asarray(tokens), jnp.asarray(valid),
+                              token_type_ids=None if type_ids is None else jnp.asarray(type_ids))
+    assert ours.shape == (3, 12, 64)
+    theirs = _hidden(model, tokens, valid, type_ids)
+    np.testing.assert_allclose(np.asarray(ours)[valid], theirs[valid], atol=2e-5, rtol=0)
+
+
+# Forward per layer and every parameter's gradient: Post-LN (BERT) and GQA Pre-RMSNorm (Llama) by default,
+# the other families with -m slow (each compiles a forward and backward pass: ~6 s on 2 CPU cores).
+_SLOW = pytest.mark.slow
+
+
+@pytest.mark.parametrize("family", [f if f in ("bert", "llama") else pytest.param(f, marks=_SLOW) for f in FAMILIES])
+def test_encoder_matches_transformers_forward_and_gradients(saved: Any, family: str) -> None:
+    model, path = saved[family, False]
+    tokens, valid, types = batch()
+    report = hf.compare(model, tokens, valid, token_type_ids=types)
+    assert report.ok, str(report)
+    assert any(c.name == "layers_1" for c in report.checks)
+    assert sum(c.kind == "grad" for c in report.checks) == len(model.state_dict())  # every parameter
+    # The directory gives exactly what the model object gives.
+    cfg_obj, var_obj = hf.from_hf(model)
+    cfg_dir, var_dir = hf.from_hf(path)
+    assert cfg_obj == cfg_dir
+    jax.tree.map(np.testing.assert_array_equal, var_obj, var_dir)
+
+
+def _assert_same_state_dict(got: Any, want: Any) -> None:
+    a, b = got.state_dict(), want.state_dict()
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+
+
+@pytest.mark.parametrize("head", [False, True], ids=["base", "classifier"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_to_hf_gives_back_the_identical_state_dict(saved: Any, family: str, head: bool) -> None:
+    model, path = saved[family, head]
+    cfg, variables = hf.from_hf(path)
+    back = hf.to_hf(cfg, variables, family=family, pad_token_id=PAD)
+    assert type(back) is type(model)
+    _assert_same_state_dict(back, model)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_classification_heads_give_the_same_logits(saved: Any, family: str) -> None:
+    model, path = saved[family, True]
+    tokens, valid, types = batch(1)
+    cfg, variables = hf.from_hf(path)
+    assert cfg.pooling == ("last" if family in ("llama", "mistral", "qwen2") else "cls")
+    type_ids = jnp.asarray(types) if cfg.type_vocab_size else None
+    ours = Classifier(cfg).apply(variables, jnp.asarray(tokens), jnp.asarray(valid), token_type_ids=type_ids)
+    kw = {"token_type_ids": torch.from_numpy(types)} if cfg.type_vocab_size else {}
+    with torch.no_grad():
+        theirs = model(input_ids=torch.from_numpy(tokens), attention_mask=torch.from_numpy(valid.astype(np.int64)),
+                       **kw).logits.numpy()
+    assert ours.shape == (3, 3)
+    np.testing.assert_allclose(np.asarray(ours), theirs, atol=2e-5, rtol=0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", FAMILIES)
+def test_classifier_gradients_match(saved: Any, family: str) -> None:
+    model, _ = saved[family, True]
+    tokens, valid, types = batch(2)
+    report = hf.compare(model, tokens, valid, token_type_ids=types)
+    assert report.ok, str(report)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", FAMILIES)
+def test_bfloat16_within_the_documented_tolerance(saved: Any, family: str) -> None:
+    """Our bfloat16 compute against transformers in float32: hf.TOLERANCES['bfloat16'] holds."""
+    model, _ = saved[family, False]
+    tokens, valid, types = batch()
+    report = hf.compare(model, tokens, valid, token_type_ids=types, dtype="bfloat16")
+    assert report.ok, str(report)
+
+
+def test_load_pretrained_gives_encoder_tokenizer_and_license(saved: Any, tmp_path: Path) -> None:
+    path = Path(shutil.copytree(saved["bert", True][1], tmp_path / "ckpt"))
+    (path / "LICENSE").write_text("Apache-2.0\n")
+    (path / "tokenizer.json").write_text("{}\n")
+    cfg, params, tok, lic = hf.load_pretrained(path)
+    assert (tok, lic) == (path / "tokenizer.json", path / "LICENSE")
+    assert cfg.pooling == "mean" and set(params) == {"embedding", "pos_embedding", "type_embedding", "embed_norm",
+                                                      "stack"}
+    _, variables = hf.from_hf(path)
+    jax.tree.map(np.testing.assert_array_equal, params, variables["params"]["encoder"])
+
+
+def test_a_masked_lm_checkpoint_gives_its_encoder(tmp_path: Path) -> None:
+    """Keys under the base-model prefix ('bert.'), an MLM head beside them: the encoder converts."""
+    mlm = transformers.BertForMaskedLM(hf_config("bert")).eval()
+    mlm.save_pretrained(tmp_path)
+    cfg, variables = hf.from_hf(tmp_path)
+    base = hf.to_hf(cfg, variables)
+    for k, v in base.state_dict().items():
+        assert torch.equal(v, mlm.state_dict()["bert." + k]), k
+
+
+def test_default_classifier_tree_is_unchanged() -> None:
+    """The new options default off: the Classifier's parameter tree is what it was."""
+    cfg = EncoderConfig(num_layers=1)
+    tokens = jnp.zeros((1, 4), jnp.int32)
+    params = jax.eval_shape(lambda: Classifier(cfg).init(jax.random.key(0), tokens, tokens == 0))["params"]
+    assert set(params) == {"encoder", "head"}
+    assert set(params["encoder"]) == {"embedding", "pos_embedding", "stack"}
+    assert params["encoder"]["pos_embedding"].value.shape == (cfg.max_len, 256)
+    assert set(params["head"]) == {"kernel", "bias"}
+
+
+def _refused(fn: Any, field: str) -> str:
+    with pytest.raises(hf.UnsupportedConfigError) as err:
+        fn()
+    msg = str(err.value)
+    assert "\n" not in msg and field in msg, msg
+    return msg
+
+
+def test_configs_we_cannot_express_are_refused_in_one_line() -> None:
+    llama3 = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
+              "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+    _refused(lambda: hf.from_hf(build("llama", rope_parameters=llama3)), "rope_parameters.rope_type='llama3'")
+    _refused(lambda: hf.from_hf(build("llama", hidden_act="gelu")), "hidden_act='gelu'")
+    _refused(lambda: hf.from_hf(build("llama", mlp_bias=True)), "mlp_bias=True")
+    _refused(lambda: hf.from_hf(build("llama", head_dim=8)), "head_dim=8")
+    _refused(lambda: hf.from_hf(build("mistral", sliding_window=16), max_len=32), "max_len=32")
+    _refused(lambda: hf.from_hf(build("bert", position_embedding_type="relative_key")), "position_embedding_type")
+    _refused(lambda: hf.from_hf(build("bert", hidden_act="silu")), "hidden_act='silu'")
+    _refused(lambda: hf.from_hf(build("distilbert", sinusoidal_pos_embds=True)), "sinusoidal_pos_embds=True")
+    _refused(lambda: hf.from_hf(build("bert", max_position_embeddings=64), max_len=100), "max_len=100")
+    gpt2 = transformers.GPT2Model(transformers.GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=VOCAB))
+    _refused(lambda: hf.from_hf(gpt2), "model_type='gpt2'")
+    _refused(lambda: hf.from_hf(build("bert", head=True, num_labels=1)), "num_labels=1")
+
+
+def test_a_window_covering_every_position_converts() -> None:
+    """Mistral's sliding window: max_len is capped at the window, inside which attention is fully causal."""
+    model = build("mistral", sliding_window=16)
+    cfg, variables = hf.from_hf(model)
+    assert cfg.max_len == 16
+    tokens, valid, _ = batch()
+    ours = Encoder(cfg).apply(variables, jnp.asarray(tokens), jnp.asarray(valid))
+    np.testing.assert_allclose(np.asarray(ours)[valid], _hidden(model, tokens, valid, None)[valid], atol=2e-5, rtol=0)
+
+
+def test_to_hf_refuses_fields_transformers_cannot_hold() -> None:
+    def bert_like(**update: Any) -> EncoderConfig:
+        cfg, _ = hf.from_hf(build("bert"))
+        block = cfg.block.model_copy(update=update.pop("block", {}))
+        return cfg.model_copy(update={"block": block, **update})
+
+    def llama_like(**block: Any) -> EncoderConfig:
+        cfg, _ = hf.from_hf(build("llama"))
+        return cfg.model_copy(update={"block": cfg.block.model_copy(update=block)})
+
+    def refuse_to_hf(cfg: EncoderConfig, field: str, family: str | None = None) -> None:
+        _refused(lambda: hf.to_hf(cfg, {"params": {}}, family=family), field)
+
+    refuse_to_hf(bert_like(block={"norm": "pre"}), "block.norm='pre'")
+    refuse_to_hf(bert_like(final_norm=True), "final_norm=True")
+    refuse_to_hf(bert_like(block={"num_kv_heads": 2}), "block.num_kv_heads=2")
+    refuse_to_hf(bert_like(), "position_offset=0", family="roberta")
+    refuse_to_hf(bert_like(block={"norm_eps": 1e-5}, type_vocab_size=0), "block.norm_eps=1e-05", "distilbert")
+    refuse_to_hf(llama_like(use_bias=True), "block.use_bias=True")
+    refuse_to_hf(llama_like(causal=False), "block.causal=False")
+    refuse_to_hf(llama_like(), "block.qkv_bias=False", family="qwen2")
+    refuse_to_hf(llama_like(activation="geglu"), "block.activation='geglu'")
+    _refused(lambda: hf.to_hf(*hf.from_hf(build("llama")), family="gpt2"), "model_type='gpt2'")
+
+
+@pytest.mark.slow
+def test_importing_jaxblock_imports_neither_transformers_nor_torch() -> None:
+    code = ("import sys, jaxblock, jaxblock.model, jaxblock.interop; "
+            "print(sorted(m for m in ('torch', 'transformers', 'safetensors') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
