@@ -18,57 +18,7 @@ transformers = pytest.importorskip("transformers")
 
 from jaxblock import Classifier, Encoder, EncoderConfig  # noqa: E402
 from jaxblock.interop import hf  # noqa: E402
-
-FAMILIES = ("bert", "roberta", "distilbert", "llama", "mistral", "qwen2")
-VOCAB, PAD = 40, 1
-LENGTHS = (12, 7, 3)  # right padding: rows 1 and 2 end in padding
-_SMALL = dict(vocab_size=VOCAB, num_hidden_layers=2, num_attention_heads=4, intermediate_size=96, hidden_size=64)
-
-
-def hf_config(family: str, **extra: Any) -> Any:
-    """A small float32 config per family; Llama-family ones use GQA (4 query heads, 2 key/value heads)."""
-    rope = dict(num_key_value_heads=2, max_position_embeddings=64, pad_token_id=PAD)
-    kw: dict[str, Any] = {
-        "bert": lambda: transformers.BertConfig(**_SMALL, pad_token_id=PAD),
-        "roberta": lambda: transformers.RobertaConfig(**_SMALL, max_position_embeddings=40, pad_token_id=PAD),
-        "distilbert": lambda: transformers.DistilBertConfig(
-            vocab_size=VOCAB, dim=64, n_layers=2, n_heads=4, hidden_dim=96, max_position_embeddings=40,
-            pad_token_id=PAD),
-        "llama": lambda: transformers.LlamaConfig(**_SMALL, **rope, rope_parameters={"rope_type": "default",
-                                                                                        "rope_theta": 500.0}),
-        "mistral": lambda: transformers.MistralConfig(**_SMALL, **rope, sliding_window=None),
-        "qwen2": lambda: transformers.Qwen2Config(**_SMALL, **rope),
-    }
-    cfg = kw[family]()
-    for k, v in extra.items():
-        setattr(cfg, k, v)
-    return cfg
-
-
-_CLASS = {"bert": "Bert", "roberta": "Roberta", "distilbert": "DistilBert", "llama": "Llama",
-          "mistral": "Mistral", "qwen2": "Qwen2"}
-
-
-def build(family: str, head: bool = False, seed: int = 0, **extra: Any) -> Any:
-    """A randomly initialized transformers model; biases and norm weights perturbed so none is trivial."""
-    torch.manual_seed(seed)
-    cls = getattr(transformers, _CLASS[family] + ("ForSequenceClassification" if head else "Model"))
-    cfg = hf_config(family, **({"num_labels": 3} if head else {}) | extra)
-    model = cls(cfg, add_pooling_layer=False) if family in ("bert", "roberta") and not head else cls(cfg)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("bias") or "norm" in name.lower():
-                p.add_(0.1 * torch.randn_like(p))
-    return model.eval()
-
-
-def batch(seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """tokens int[3, 12] in [2, V) with PAD after each row's length, valid bool[3, 12], token types 0/1."""
-    rng = np.random.default_rng(seed)
-    valid = np.arange(12)[None] < np.asarray(LENGTHS)[:, None]
-    tokens = np.where(valid, rng.integers(2, VOCAB, (3, 12)), PAD)
-    types = ((np.arange(12)[None] >= 4) & valid).astype(np.int64)
-    return tokens, valid, types
+from jaxblock.interop.hf.measure import FAMILIES, PAD, VOCAB, tiny_batch, tiny_config, tiny_model  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +27,7 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, bool], tu
     out = {}
     for family in FAMILIES:
         for head in (False, True):
-            model = build(family, head)
+            model = tiny_model(family, head)
             path = tmp_path_factory.mktemp(f"{family}{'_cls' if head else ''}")
             model.save_pretrained(path)
             out[family, head] = model, path
@@ -94,7 +44,7 @@ def _hidden(model: Any, tokens: np.ndarray, valid: np.ndarray, types: np.ndarray
 @pytest.mark.parametrize("family", FAMILIES)
 def test_encoder_from_a_directory_matches_the_last_hidden_state(saved: Any, family: str) -> None:
     model, path = saved[family, False]
-    tokens, valid, types = batch(3)
+    tokens, valid, types = tiny_batch(3)
     cfg, variables = hf.from_hf(path)
     type_ids = types if cfg.type_vocab_size else None
     ours = Encoder(cfg).apply(variables, jnp.asarray(tokens), jnp.asarray(valid),
@@ -112,7 +62,7 @@ _SLOW = pytest.mark.slow
 @pytest.mark.parametrize("family", [f if f in ("bert", "llama") else pytest.param(f, marks=_SLOW) for f in FAMILIES])
 def test_encoder_matches_transformers_forward_and_gradients(saved: Any, family: str) -> None:
     model, path = saved[family, False]
-    tokens, valid, types = batch()
+    tokens, valid, types = tiny_batch()
     report = hf.compare(model, tokens, valid, token_type_ids=types)
     assert report.ok, str(report)
     assert any(c.name == "layers_1" for c in report.checks)
@@ -144,7 +94,7 @@ def test_to_hf_gives_back_the_identical_state_dict(saved: Any, family: str, head
 @pytest.mark.parametrize("family", FAMILIES)
 def test_classification_heads_give_the_same_logits(saved: Any, family: str) -> None:
     model, path = saved[family, True]
-    tokens, valid, types = batch(1)
+    tokens, valid, types = tiny_batch(1)
     cfg, variables = hf.from_hf(path)
     assert cfg.pooling == ("last" if family in ("llama", "mistral", "qwen2") else "cls")
     type_ids = jnp.asarray(types) if cfg.type_vocab_size else None
@@ -161,7 +111,7 @@ def test_classification_heads_give_the_same_logits(saved: Any, family: str) -> N
 @pytest.mark.parametrize("family", FAMILIES)
 def test_classifier_gradients_match(saved: Any, family: str) -> None:
     model, _ = saved[family, True]
-    tokens, valid, types = batch(2)
+    tokens, valid, types = tiny_batch(2)
     report = hf.compare(model, tokens, valid, token_type_ids=types)
     assert report.ok, str(report)
 
@@ -171,7 +121,7 @@ def test_classifier_gradients_match(saved: Any, family: str) -> None:
 def test_bfloat16_within_the_documented_tolerance(saved: Any, family: str) -> None:
     """Our bfloat16 compute against transformers in float32: hf.TOLERANCES['bfloat16'] holds."""
     model, _ = saved[family, False]
-    tokens, valid, types = batch()
+    tokens, valid, types = tiny_batch()
     report = hf.compare(model, tokens, valid, token_type_ids=types, dtype="bfloat16")
     assert report.ok, str(report)
 
@@ -190,7 +140,7 @@ def test_load_pretrained_gives_encoder_tokenizer_and_license(saved: Any, tmp_pat
 
 def test_a_masked_lm_checkpoint_gives_its_encoder(tmp_path: Path) -> None:
     """Keys under the base-model prefix ('bert.'), an MLM head beside them: the encoder converts."""
-    mlm = transformers.BertForMaskedLM(hf_config("bert")).eval()
+    mlm = transformers.BertForMaskedLM(tiny_config("bert")).eval()
     mlm.save_pretrained(tmp_path)
     cfg, variables = hf.from_hf(tmp_path)
     base = hf.to_hf(cfg, variables)
@@ -220,38 +170,38 @@ def _refused(fn: Any, field: str) -> str:
 def test_configs_we_cannot_express_are_refused_in_one_line() -> None:
     llama3 = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
               "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
-    _refused(lambda: hf.from_hf(build("llama", rope_parameters=llama3)), "rope_parameters.rope_type='llama3'")
-    _refused(lambda: hf.from_hf(build("llama", hidden_act="gelu")), "hidden_act='gelu'")
-    _refused(lambda: hf.from_hf(build("llama", mlp_bias=True)), "mlp_bias=True")
-    _refused(lambda: hf.from_hf(build("llama", head_dim=8)), "head_dim=8")
-    _refused(lambda: hf.from_hf(build("mistral", sliding_window=16), max_len=32), "max_len=32")
-    _refused(lambda: hf.from_hf(build("bert", position_embedding_type="relative_key")), "position_embedding_type")
-    _refused(lambda: hf.from_hf(build("bert", hidden_act="silu")), "hidden_act='silu'")
-    _refused(lambda: hf.from_hf(build("distilbert", sinusoidal_pos_embds=True)), "sinusoidal_pos_embds=True")
-    _refused(lambda: hf.from_hf(build("bert", max_position_embeddings=64), max_len=100), "max_len=100")
+    _refused(lambda: hf.from_hf(tiny_model("llama", rope_parameters=llama3)), "rope_parameters.rope_type='llama3'")
+    _refused(lambda: hf.from_hf(tiny_model("llama", hidden_act="gelu")), "hidden_act='gelu'")
+    _refused(lambda: hf.from_hf(tiny_model("llama", mlp_bias=True)), "mlp_bias=True")
+    _refused(lambda: hf.from_hf(tiny_model("llama", head_dim=8)), "head_dim=8")
+    _refused(lambda: hf.from_hf(tiny_model("mistral", sliding_window=16), max_len=32), "max_len=32")
+    _refused(lambda: hf.from_hf(tiny_model("bert", position_embedding_type="relative_key")), "position_embedding_type")
+    _refused(lambda: hf.from_hf(tiny_model("bert", hidden_act="silu")), "hidden_act='silu'")
+    _refused(lambda: hf.from_hf(tiny_model("distilbert", sinusoidal_pos_embds=True)), "sinusoidal_pos_embds=True")
+    _refused(lambda: hf.from_hf(tiny_model("bert", max_position_embeddings=64), max_len=100), "max_len=100")
     gpt2 = transformers.GPT2Model(transformers.GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=VOCAB))
     _refused(lambda: hf.from_hf(gpt2), "model_type='gpt2'")
-    _refused(lambda: hf.from_hf(build("bert", head=True, num_labels=1)), "num_labels=1")
+    _refused(lambda: hf.from_hf(tiny_model("bert", head=True, num_labels=1)), "num_labels=1")
 
 
 def test_a_window_covering_every_position_converts() -> None:
     """Mistral's sliding window: max_len is capped at the window, inside which attention is fully causal."""
-    model = build("mistral", sliding_window=16)
+    model = tiny_model("mistral", sliding_window=16)
     cfg, variables = hf.from_hf(model)
     assert cfg.max_len == 16
-    tokens, valid, _ = batch()
+    tokens, valid, _ = tiny_batch()
     ours = Encoder(cfg).apply(variables, jnp.asarray(tokens), jnp.asarray(valid))
     np.testing.assert_allclose(np.asarray(ours)[valid], _hidden(model, tokens, valid, None)[valid], atol=2e-5, rtol=0)
 
 
 def test_to_hf_refuses_fields_transformers_cannot_hold() -> None:
     def bert_like(**update: Any) -> EncoderConfig:
-        cfg, _ = hf.from_hf(build("bert"))
+        cfg, _ = hf.from_hf(tiny_model("bert"))
         block = cfg.block.model_copy(update=update.pop("block", {}))
         return cfg.model_copy(update={"block": block, **update})
 
     def llama_like(**block: Any) -> EncoderConfig:
-        cfg, _ = hf.from_hf(build("llama"))
+        cfg, _ = hf.from_hf(tiny_model("llama"))
         return cfg.model_copy(update={"block": cfg.block.model_copy(update=block)})
 
     def refuse_to_hf(cfg: EncoderConfig, field: str, family: str | None = None) -> None:
@@ -266,7 +216,7 @@ def test_to_hf_refuses_fields_transformers_cannot_hold() -> None:
     refuse_to_hf(llama_like(causal=False), "block.causal=False")
     refuse_to_hf(llama_like(), "block.qkv_bias=False", family="qwen2")
     refuse_to_hf(llama_like(activation="geglu"), "block.activation='geglu'")
-    _refused(lambda: hf.to_hf(*hf.from_hf(build("llama")), family="gpt2"), "model_type='gpt2'")
+    _refused(lambda: hf.to_hf(*hf.from_hf(tiny_model("llama")), family="gpt2"), "model_type='gpt2'")
 
 
 @pytest.mark.slow

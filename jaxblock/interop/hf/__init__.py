@@ -11,8 +11,11 @@ and Llama, Mistral, Qwen2 (Pre-RMSNorm, SwiGLU, RoPE, GQA, causal, final norm); 
 exactly raises UnsupportedConfigError with one line naming the field. A directory is read locally
 (config.json + model.safetensors, sharded or not, or pytorch_model.bin): nothing is ever downloaded.
 
-Measured parity (tests/test_interop_hf.py; D=64, 2 layers, right-padded batch of 3 x 12, float32
-random weights): see TOLERANCES in `parity` and the README for the numbers.
+Measured parity (`python -m jaxblock.interop.hf.measure`: random D=64, 2-layer models of each family,
+a right-padded batch of 3 x 12), against transformers in float32, worst over the six families:
+    ours float32:  last hidden state max |diff| 9.5e-7, logits 9e-8, gradients max rel L2 error 7.6e-7
+    ours bfloat16: last hidden state max |diff| 2.5e-2, logits 1.5e-3, gradients max rel L2 error 1.5e-2
+`compare` checks against TOLERANCES: float32 (2e-5, 1e-4), bfloat16 (6e-2, 4e-2).
 
 Importing this package imports transformers and torch; importing `jaxblock` does not.
 """
