@@ -132,7 +132,7 @@ def test_load_pretrained_gives_encoder_tokenizer_and_license(saved: Any, tmp_pat
     (path / "tokenizer.json").write_text("{}\n")
     cfg, params, tok, lic = hf.load_pretrained(path)
     assert (tok, lic) == (path / "tokenizer.json", path / "LICENSE")
-    assert cfg.pooling == "mean" and set(params) == {"embedding", "pos_embedding", "type_embedding", "embed_norm",
+    assert cfg.pooling == "cls" and set(params) == {"embedding", "pos_embedding", "type_embedding", "embed_norm",
                                                       "stack"}
     _, variables = hf.from_hf(path)
     jax.tree.map(np.testing.assert_array_equal, params, variables["params"]["encoder"])
@@ -225,3 +225,23 @@ def test_importing_jaxblock_imports_neither_transformers_nor_torch() -> None:
             "print(sorted(m for m in ('torch', 'transformers', 'safetensors') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_sharded_safetensors_and_pytorch_bin_directories_read_the_same(saved: Any, tmp_path: Path) -> None:
+    model, path = saved["qwen2", False]
+    model.save_pretrained(tmp_path / "sharded", max_shard_size="20KB")
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
+    torch.save(model.state_dict(), tmp_path / "pytorch_model.bin")
+    shutil.copy(path / "config.json", tmp_path / "config.json")
+    _, want = hf.from_hf(path)
+    for source in (tmp_path / "sharded", tmp_path):
+        _, got = hf.from_hf(source)
+        jax.tree.map(np.testing.assert_array_equal, got, want)
+
+
+def test_a_directory_without_weights_is_refused(tmp_path: Path) -> None:
+    tiny_config("bert").save_pretrained(tmp_path)
+    with pytest.raises(FileNotFoundError, match=r"no model\.safetensors or pytorch_model\.bin"):
+        hf.from_hf(tmp_path)
+    with pytest.raises(FileNotFoundError, match=r"config\.json not found"):
+        hf.from_hf(tmp_path / "missing")

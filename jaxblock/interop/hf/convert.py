@@ -211,12 +211,17 @@ def load_pretrained(
 ) -> tuple[EncoderConfig, dict[str, Any], Path | None, Path | None]:
     """One call for a trainer: (EncoderConfig, Encoder params (plain tree, no 'params' wrapper),
     tokenizer.json path or None, license file path or None) from a local checkpoint directory.
-    A classifier checkpoint gives its encoder only (the trainer starts a fresh head)."""
+
+    The config's pooling is the family's own sequence-classification pooling ('cls' with its pooler
+    activation for BERT-family, 'last' for Llama-family), so a Classifier built from it mirrors
+    transformers' *ForSequenceClassification; its pooler and head start fresh (set num_classes).
+    A classifier checkpoint gives its encoder only."""
     path = Path(path)
     cfg, variables = from_hf(path, max_len=max_len, dtype=dtype)
     params = variables["params"]
     params = params.get("encoder", params)
-    cfg = cfg.model_copy(update={"pooling": "mean", "num_classes": 2})
+    family = _FAMILIES[guess_family(cfg)]
+    cfg = cfg.model_copy(update=family.head_fields(guess_family(cfg)))
     tok = path / "tokenizer.json"
     lic = sorted(p for p in path.iterdir() if p.is_file() and p.name.lower().startswith(("license", "licence")))
     return cfg, params, tok if tok.is_file() else None, lic[0] if lic else None
