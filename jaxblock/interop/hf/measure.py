@@ -24,8 +24,11 @@ def tiny_config(family: str, **extra: Any) -> Any:
     """A small float32 transformers config; extra fields are set on it afterwards."""
     import transformers
 
-    small = dict(vocab_size=VOCAB, num_hidden_layers=2, num_attention_heads=4, intermediate_size=96, hidden_size=64)
-    rope = dict(num_key_value_heads=2, max_position_embeddings=64, pad_token_id=PAD)
+    small: dict[str, Any] = dict(
+        vocab_size=VOCAB, num_hidden_layers=2, num_attention_heads=4, intermediate_size=96, hidden_size=64
+    )
+    rope: dict[str, Any] = dict(num_key_value_heads=2, max_position_embeddings=64, pad_token_id=PAD)
+    cfg: Any
     if family == "bert":
         cfg = transformers.BertConfig(**small, pad_token_id=PAD)
     elif family == "roberta":
