@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jaxblock import masks
 from jaxblock.config import BlockConfig
 from jaxblock.initializers import Weights, bias_init, kernel_init
-from jaxblock.positions import apply_rope
+from jaxblock.positions import apply_rope, rope_frequencies
 
 _NEG = float(jnp.finfo(jnp.float32).min)
 
@@ -139,8 +139,9 @@ class SelfAttention(nn.Module):
         if cfg.rope:
             if positions is None:
                 positions = jnp.broadcast_to(jnp.arange(length), (n, length))
-            q = apply_rope(q, positions, cfg.rope_base)
-            k = apply_rope(k, positions, cfg.rope_base)
+            inv = None if cfg.rope_scaling is None else rope_frequencies(cfg.head_dim, cfg.rope_base, cfg.rope_scaling)
+            q = apply_rope(q, positions, cfg.rope_base, inv)
+            k = apply_rope(k, positions, cfg.rope_base, inv)
 
         impl, _ = choose_implementation(
             cfg, train=train, extra_mask=attn_mask is not None or segment_ids is not None, length=length

@@ -23,6 +23,26 @@ class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True)
 
 
+class RopeScaling(_Frozen):
+    """RoPE frequency scaling (transformers' rope_type): 'linear' divides every frequency by `factor`;
+    'llama3' divides frequencies whose wavelength exceeds original_max_len / low_freq_factor by `factor`,
+    keeps those shorter than original_max_len / high_freq_factor, and interpolates in between (Llama 3.1+)."""
+
+    type: Literal["linear", "llama3"]
+    factor: float = Field(gt=0.0)
+    low_freq_factor: float = Field(1.0, gt=0.0)
+    high_freq_factor: float = Field(4.0, gt=0.0)
+    original_max_len: int = Field(8192, gt=0, description="Context length the model was trained with.")
+
+    @model_validator(mode="after")
+    def _check_band(self) -> RopeScaling:
+        if self.type == "llama3" and self.high_freq_factor <= self.low_freq_factor:
+            raise ValueError(
+                f"high_freq_factor={self.high_freq_factor} must exceed low_freq_factor={self.low_freq_factor}"
+            )
+        return self
+
+
 class BlockConfig(_Frozen):
     """One encoder block: self-attention and a position-wise FFN, each in a residual branch."""
 
@@ -53,6 +73,7 @@ class BlockConfig(_Frozen):
     causal: bool = Field(False, description="Each query sees only keys at or before it.")
     rope: bool = Field(False, description="Rotary positions on q/k (set by EncoderConfig.positions='rope').")
     rope_base: float = Field(10000.0, gt=1.0)
+    rope_scaling: RopeScaling | None = Field(None, description="None: unscaled rotary frequencies.")
     attention: Literal["auto", "xla", "cudnn", "unfused", "chunked"] = Field(
         "auto",
         description="Kernel: 'auto' picks cuDNN on NVIDIA GPUs when mask and dtype allow, XLA otherwise, "

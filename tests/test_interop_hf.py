@@ -168,9 +168,8 @@ def _refused(fn: Any, field: str) -> str:
 
 
 def test_configs_we_cannot_express_are_refused_in_one_line() -> None:
-    llama3 = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
-              "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
-    _refused(lambda: hf.from_hf(tiny_model("llama", rope_parameters=llama3)), "rope_parameters.rope_type='llama3'")
+    yarn = {"rope_type": "yarn", "rope_theta": 5e5, "factor": 8.0, "original_max_position_embeddings": 16}
+    _refused(lambda: hf.from_hf(tiny_model("llama", rope_parameters=yarn)), "rope_parameters.rope_type='yarn'")
     _refused(lambda: hf.from_hf(tiny_model("llama", hidden_act="gelu")), "hidden_act='gelu'")
     _refused(lambda: hf.from_hf(tiny_model("llama", mlp_bias=True)), "mlp_bias=True")
     _refused(lambda: hf.from_hf(tiny_model("llama", head_dim=8)), "head_dim=8")
@@ -245,3 +244,21 @@ def test_a_directory_without_weights_is_refused(tmp_path: Path) -> None:
         hf.from_hf(tmp_path)
     with pytest.raises(FileNotFoundError, match=r"config\.json not found"):
         hf.from_hf(tmp_path / "missing")
+
+
+@pytest.mark.parametrize("rope", [
+    {"rope_type": "linear", "rope_theta": 500.0, "factor": 4.0},
+    # K = 16, theta 500, original context 16: wavelengths 6.3 (< 16/2: kept), 13 (interpolated), 28.. (divided)
+    {"rope_type": "llama3", "rope_theta": 500.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 2.0,
+     "original_max_position_embeddings": 16},
+], ids=["linear", "llama3"])
+def test_scaled_rope_matches_and_round_trips(rope: dict[str, Any]) -> None:
+    model = tiny_model("llama", rope_parameters=rope)
+    cfg, variables = hf.from_hf(model)
+    assert cfg.block.rope_scaling is not None and cfg.block.rope_scaling.type == rope["rope_type"]
+    tokens, valid, _ = tiny_batch()
+    ours = Encoder(cfg).apply(variables, jnp.asarray(tokens), jnp.asarray(valid))
+    np.testing.assert_allclose(np.asarray(ours)[valid], _hidden(model, tokens, valid, None)[valid], atol=2e-5, rtol=0)
+    back = hf.to_hf(cfg, variables, pad_token_id=PAD)
+    assert back.config.rope_parameters == model.config.rope_parameters
+    _assert_same_state_dict(back, model)

@@ -7,8 +7,8 @@ so q/k weights need no permutation. Qwen2 has q/k/v biases and no out bias (our 
 The *ForSequenceClassification heads score every token with a bias-free `score` and read the last
 non-pad token: with right padding that is our pooling='last'.
 
-Only exact equivalents convert: RoPE type 'default' (any rope_theta), full-width rotary, head_dim = D / H,
-SiLU gate, no MLP bias; a sliding window only when it covers every position we allow.
+Only exact equivalents convert: RoPE types 'default', 'linear' and 'llama3' (any rope_theta), full-width
+rotary, head_dim = D / H, SiLU gate, no MLP bias; a sliding window only when it covers every position we allow.
 """
 
 from __future__ import annotations
@@ -21,17 +21,25 @@ from jaxblock.interop.hf.common import Mapping, linear, norm, refuse
 FAMILIES = ("llama", "mistral", "qwen2")
 
 
-def _rope(c: Any) -> float:
+def _rope(c: Any) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, our rope_scaling or None) from the config's rope_parameters."""
     params = getattr(c, "rope_parameters", None) or {}
     if "full_attention" in params:  # per-layer-type parameters
         params = params["full_attention"]
     kind = params.get("rope_type", "default")
-    if kind != "default":
-        raise refuse("rope_parameters.rope_type", kind, "only the unscaled 'default' RoPE converts exactly")
     factor = params.get("partial_rotary_factor", getattr(c, "partial_rotary_factor", 1.0))
     if factor != 1.0:
         raise refuse("partial_rotary_factor", factor, "jaxblock rotates the whole head")
-    return float(params.get("rope_theta", getattr(c, "rope_theta", 10000.0)))
+    base = float(params.get("rope_theta", getattr(c, "rope_theta", 10000.0)))
+    if kind == "default":
+        return base, None
+    if kind == "linear":
+        return base, {"type": "linear", "factor": params["factor"]}
+    if kind == "llama3":
+        return base, {"type": "llama3", "factor": params["factor"], "low_freq_factor": params["low_freq_factor"],
+                      "high_freq_factor": params["high_freq_factor"],
+                      "original_max_len": params["original_max_position_embeddings"]}
+    raise refuse("rope_parameters.rope_type", kind, "jaxblock implements RoPE 'default', 'linear' and 'llama3'")
 
 
 def _window(c: Any, family: str) -> int | None:
@@ -53,7 +61,7 @@ def encoder_fields(c: Any, family: str, max_len: int | None) -> dict[str, Any]:
                      f"= {c.hidden_size / c.num_attention_heads:g}")
     if getattr(c, "mlp_bias", False):
         raise refuse("mlp_bias", True, "bias-free RMSNorm blocks with FFN biases are not expressible")
-    base = _rope(c)
+    base, scaling = _rope(c)
     longest = c.max_position_embeddings
     window = _window(c, family)
     if window is not None:
@@ -71,6 +79,7 @@ def encoder_fields(c: Any, family: str, max_len: int | None) -> dict[str, Any]:
             ffn_dim=c.intermediate_size, norm="pre", norm_type="rmsnorm", norm_eps=c.rms_norm_eps,
             activation="swiglu", use_bias=False, qkv_bias=True if family == "qwen2" else attn_bias,
             out_bias=False if family == "qwen2" else attn_bias, causal=True, rope=True, rope_base=base,
+            rope_scaling=scaling,
             attn_dropout=float(c.attention_dropout or 0.0), init="torch",
         ),
     )
@@ -98,6 +107,17 @@ def encoder_map(cfg: EncoderConfig, family: str) -> list[Mapping]:
 
 def head_map(family: str) -> list[Mapping]:
     return linear("score", ("head",), bias=False)
+
+
+def _rope_parameters(cfg: EncoderConfig) -> dict[str, Any]:
+    out: dict[str, Any] = {"rope_type": "default", "rope_theta": cfg.block.rope_base}
+    sc = cfg.block.rope_scaling
+    if sc is not None:
+        out |= {"rope_type": sc.type, "factor": sc.factor}
+        if sc.type == "llama3":
+            out |= {"low_freq_factor": sc.low_freq_factor, "high_freq_factor": sc.high_freq_factor,
+                    "original_max_position_embeddings": sc.original_max_len}
+    return out
 
 
 def hf_config(cfg: EncoderConfig, family: str, classifier: bool, overrides: dict[str, Any]) -> Any:
@@ -133,7 +153,7 @@ def hf_config(cfg: EncoderConfig, family: str, classifier: bool, overrides: dict
         vocab_size=cfg.vocab_size, hidden_size=b.model_dim, intermediate_size=b.ffn_dim,
         num_hidden_layers=cfg.num_layers, num_attention_heads=b.num_heads, num_key_value_heads=b.kv_heads,
         hidden_act="silu", max_position_embeddings=cfg.max_len, rms_norm_eps=b.norm_eps,
-        rope_parameters={"rope_type": "default", "rope_theta": b.rope_base}, attention_dropout=b.attn_dropout,
+        rope_parameters=_rope_parameters(cfg), attention_dropout=b.attn_dropout,
         num_labels=cfg.num_classes, tie_word_embeddings=False,
     )
     if family == "llama":
