@@ -138,14 +138,28 @@ def test_load_pretrained_gives_encoder_tokenizer_and_license(saved: Any, tmp_pat
     jax.tree.map(np.testing.assert_array_equal, params, variables["params"]["encoder"])
 
 
-def test_a_masked_lm_checkpoint_gives_its_encoder(tmp_path: Path) -> None:
-    """Keys under the base-model prefix ('bert.'), an MLM head beside them: the encoder converts."""
-    mlm = transformers.BertForMaskedLM(tiny_config("bert")).eval()
-    mlm.save_pretrained(tmp_path)
+@pytest.mark.parametrize(("family", "cls", "prefix"), [("bert", "BertForMaskedLM", "bert."),
+                                                     ("llama", "LlamaForCausalLM", "model.")])
+def test_a_language_model_checkpoint_gives_its_encoder(tmp_path: Path, family: str, cls: str, prefix: str) -> None:
+    """Keys under the base-model prefix, an LM head beside them: the encoder converts, the head is left out."""
+    lm = getattr(transformers, cls)(tiny_config(family)).eval()
+    lm.save_pretrained(tmp_path)
     cfg, variables = hf.from_hf(tmp_path)
-    base = hf.to_hf(cfg, variables)
+    base = hf.to_hf(cfg, variables, pad_token_id=PAD)
     for k, v in base.state_dict().items():
-        assert torch.equal(v, mlm.state_dict()["bert." + k]), k
+        assert torch.equal(v, lm.state_dict()[prefix + k]), k
+
+
+def test_llama_attention_biases_convert() -> None:
+    """attention_bias=True: q/k/v/o biases (our qkv_bias and out_bias) with bias-free norms and FFN."""
+    model = tiny_model("llama", attention_bias=True)
+    assert model.layers[0].self_attn.o_proj.bias is not None
+    cfg, variables = hf.from_hf(model)
+    assert (cfg.block.use_bias, cfg.block.qkv_bias, cfg.block.out_bias) == (False, True, True)
+    tokens, valid, _ = tiny_batch()
+    ours = Encoder(cfg).apply(variables, jnp.asarray(tokens), jnp.asarray(valid))
+    np.testing.assert_allclose(np.asarray(ours)[valid], _hidden(model, tokens, valid, None)[valid], atol=2e-5, rtol=0)
+    _assert_same_state_dict(hf.to_hf(cfg, variables, pad_token_id=PAD), model)
 
 
 def test_default_classifier_tree_is_unchanged() -> None:
