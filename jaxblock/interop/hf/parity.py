@@ -88,6 +88,8 @@ def compare(
     gradient of loss = sum(output * fixed random weights from `seed`, real positions only), both mapped
     to transformers' names. dtype: our compute dtype (transformers runs as loaded).
     """
+    if dtype not in TOLERANCES:
+        raise ValueError(f"dtype={dtype!r}: compare measures {' or '.join(TOLERANCES)} (tolerances are measured)")
     cfg, variables = from_hf(model, dtype=dtype)
     tokens = np.asarray(tokens, np.int32)
     valid = np.ones(tokens.shape, bool) if valid_tokens is None else np.asarray(valid_tokens, bool)
