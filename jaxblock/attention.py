@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jaxblock import masks
 from jaxblock.config import BlockConfig
 from jaxblock.initializers import Weights, bias_init, kernel_init
-from jaxblock.positions import apply_rope
+from jaxblock.positions import apply_rope, rope_frequencies
 
 _NEG = float(jnp.finfo(jnp.float32).min)
 
@@ -92,24 +92,26 @@ class SelfAttention(nn.Module):
         zero_bias = bias_init(cfg.init, d, ("heads", "head_dim"), zero=True)
         zero_kv_bias = bias_init(cfg.init, d, ("kv_heads", "head_dim"), zero=True)
 
-        def proj(kshape: tuple[int, ...], kinit: Any, bshape: tuple[int, ...], binit: Any) -> Weights:
-            return Weights(kshape, kinit, bshape, binit, cfg.use_bias, cfg.params_dtype)
+        def proj(
+            kshape: tuple[int, ...], kinit: Any, bshape: tuple[int, ...], binit: Any, use_bias: bool
+        ) -> Weights:
+            return Weights(kshape, kinit, bshape, binit, use_bias, cfg.params_dtype)
 
         self.query = proj(
             (d, h, k), kernel_init(cfg.init, d, 0, (1, 2), ("embed", "heads", "head_dim"), xavier),
-            (h, k), zero_bias,
+            (h, k), zero_bias, cfg.has_qkv_bias,
         )
         self.key = proj(
             (d, g, k), kernel_init(cfg.init, d, 0, (1, 2), ("embed", "kv_heads", "head_dim"), xavier),
-            (g, k), zero_kv_bias,
+            (g, k), zero_kv_bias, cfg.has_qkv_bias,
         )
         self.value = proj(
             (d, g, k), kernel_init(cfg.init, d, 0, (1, 2), ("embed", "kv_heads", "head_dim"), xavier),
-            (g, k), zero_kv_bias,
+            (g, k), zero_kv_bias, cfg.has_qkv_bias,
         )
         self.out = proj(
             (h, k, d), kernel_init(cfg.init, d, (0, 1), 2, ("heads", "head_dim", "embed")),
-            (d,), bias_init(cfg.init, d, ("embed",), zero=True),
+            (d,), bias_init(cfg.init, d, ("embed",), zero=True), cfg.has_out_bias,
         )
         self.weights_dropout = nn.Dropout(cfg.attn_dropout)
 
@@ -138,8 +140,9 @@ class SelfAttention(nn.Module):
         if cfg.rope:
             if positions is None:
                 positions = jnp.broadcast_to(jnp.arange(length), (n, length))
-            q = apply_rope(q, positions, cfg.rope_base)
-            k = apply_rope(k, positions, cfg.rope_base)
+            inv = None if cfg.rope_scaling is None else rope_frequencies(cfg.head_dim, cfg.rope_base, cfg.rope_scaling)
+            q = apply_rope(q, positions, cfg.rope_base, inv)
+            k = apply_rope(k, positions, cfg.rope_base, inv)
 
         impl, _ = choose_implementation(
             cfg, train=train, extra_mask=attn_mask is not None or segment_ids is not None, length=length

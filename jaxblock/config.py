@@ -24,6 +24,26 @@ class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True)
 
 
+class RopeScaling(_Frozen):
+    """RoPE frequency scaling (transformers' rope_type): 'linear' divides every frequency by `factor`;
+    'llama3' divides frequencies whose wavelength exceeds original_max_len / low_freq_factor by `factor`,
+    keeps those shorter than original_max_len / high_freq_factor, and interpolates in between (Llama 3.1+)."""
+
+    type: Literal["linear", "llama3"]
+    factor: float = Field(gt=0.0)
+    low_freq_factor: float = Field(1.0, gt=0.0)
+    high_freq_factor: float = Field(4.0, gt=0.0)
+    original_max_len: int = Field(8192, gt=0, description="Context length the model was trained with.")
+
+    @model_validator(mode="after")
+    def _check_band(self) -> RopeScaling:
+        if self.type == "llama3" and self.high_freq_factor <= self.low_freq_factor:
+            raise ValueError(
+                f"high_freq_factor={self.high_freq_factor} must exceed low_freq_factor={self.low_freq_factor}"
+            )
+        return self
+
+
 class BlockConfig(_Frozen):
     """One encoder block: self-attention and a position-wise FFN, each in a residual branch."""
 
@@ -47,9 +67,14 @@ class BlockConfig(_Frozen):
         "gelu", description="'gelu' is exact (erf), as PyTorch's; 'gelu_tanh' is the approximation."
     )
     use_bias: bool = Field(True, description="Every bias, the norms' included (PyTorch's `bias`).")
+    qkv_bias: bool | None = Field(
+        None, description="Biases on the q/k/v projections; None follows use_bias (Qwen2: True with use_bias=False)."
+    )
+    out_bias: bool | None = Field(None, description="Bias on the attention out-projection; None follows use_bias.")
     causal: bool = Field(False, description="Each query sees only keys at or before it.")
     rope: bool = Field(False, description="Rotary positions on q/k (set by EncoderConfig.positions='rope').")
     rope_base: float = Field(10000.0, gt=1.0)
+    rope_scaling: RopeScaling | None = Field(None, description="None: unscaled rotary frequencies.")
     attention: Literal["auto", "xla", "cudnn", "unfused", "chunked"] = Field(
         "auto",
         description="Kernel: 'auto' picks cuDNN on NVIDIA GPUs when mask and dtype allow, XLA otherwise, "
@@ -105,6 +130,14 @@ class BlockConfig(_Frozen):
         return _DTYPES[self.param_dtype]
 
     @property
+    def has_qkv_bias(self) -> bool:
+        return self.use_bias if self.qkv_bias is None else self.qkv_bias
+
+    @property
+    def has_out_bias(self) -> bool:
+        return self.use_bias if self.out_bias is None else self.out_bias
+
+    @property
     def is_glu(self) -> bool:
         return self.activation in ("swiglu", "geglu")
 
@@ -138,8 +171,28 @@ class EncoderConfig(StackConfig):
         "embedding; 'learned': a trained [max_len, D] table added; 'rope': rotary on q/k in every block; "
         "'none': permutation-equivariant.",
     )
+    position_offset: int = Field(
+        0, ge=0, description="Learned positions start at this table row (RoBERTa: padding_idx + 1); the table "
+        "then holds max_len + position_offset rows.",
+    )
+    type_vocab_size: int = Field(
+        0, ge=0, description="T: token types (BERT's segment A/B); > 0 adds a trained [T, D] table indexed by "
+        "token_type_ids (zeros when not given); 0 = no token types.",
+    )
+    embed_norm: bool = Field(
+        False, description="A norm (block.norm_type, block.norm_eps) on embedding + positions, as BERT's."
+    )
     embed_dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout after embedding + positions.")
     num_classes: int = Field(2, gt=1, description="C: classes of the Classifier's head.")
+    pooling: Literal["mean", "cls", "last"] = Field(
+        "mean",
+        description="Classifier pooling: 'mean' over real tokens; 'cls' the first token through a trained "
+        "D -> D pooler dense and pooler_activation (BERT's pooler); 'last' the last real token, head without "
+        "bias (Llama-family sequence classification).",
+    )
+    pooler_activation: Literal["tanh", "relu"] = Field(
+        "tanh", description="Activation of the 'cls' pooler (tanh: BERT/RoBERTa; relu: DistilBERT)."
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -158,6 +211,10 @@ class EncoderConfig(StackConfig):
         if self.block.rope and self.positions != "rope":
             raise ValueError(
                 f"block.rope=True but positions='{self.positions}': set positions='rope' instead"
+            )
+        if self.position_offset and self.positions != "learned":
+            raise ValueError(
+                f"position_offset={self.position_offset} needs positions='learned': set it to 0"
             )
         return self
 

@@ -91,7 +91,10 @@ class EncoderStack(nn.Module):
 
 
 class Encoder(nn.Module):
-    """(tokens int[N, L], valid_tokens bool[N, L]) -> [N, L, D]: embedding + positions + stack."""
+    """(tokens int[N, L], valid_tokens bool[N, L]) -> [N, L, D]: embedding + positions + stack.
+
+    token_type_ids int[N, L] in [0, T) (zeros when None) are read only when config.type_vocab_size = T > 0.
+    """
 
     config: EncoderConfig
 
@@ -101,6 +104,7 @@ class Encoder(nn.Module):
         tokens: jax.Array,
         valid_tokens: jax.Array,
         *,
+        token_type_ids: jax.Array | None = None,
         segment_ids: jax.Array | None = None,
         attn_mask: jax.Array | None = None,
         train: bool = False,
@@ -120,6 +124,15 @@ class Encoder(nn.Module):
             (cfg.vocab_size, blk.model_dim), blk.params_dtype,
         )
         x = jnp.take(embed, tokens, axis=0).astype(jnp.float32)  # [N, L, D]
+        if cfg.type_vocab_size:
+            types = param(
+                self, "type_embedding",
+                nn.with_logical_partitioning(nn.initializers.normal(0.02), (None, "embed")),
+                (cfg.type_vocab_size, blk.model_dim), blk.params_dtype,
+            )  # [T, D]
+            type_ids = jnp.zeros_like(tokens) if token_type_ids is None else token_type_ids
+            chex.assert_equal_shape([type_ids, tokens])
+            x = x + jnp.take(types, type_ids, axis=0).astype(jnp.float32)
         if segment_ids is not None:
             positions = masks.segment_positions(segment_ids)
         else:
@@ -130,9 +143,11 @@ class Encoder(nn.Module):
             table = param(
                 self, "pos_embedding",
                 nn.with_logical_partitioning(nn.initializers.normal(0.02), (None, "embed")),
-                (cfg.max_len, blk.model_dim), blk.params_dtype,
+                (cfg.max_len + cfg.position_offset, blk.model_dim), blk.params_dtype,
             )
-            x = x + table.astype(jnp.float32)[positions]
+            x = x + table.astype(jnp.float32)[positions + cfg.position_offset]
+        if cfg.embed_norm:
+            x = make_norm(blk, "embed_norm")(x).astype(jnp.float32)
         x = nn.Dropout(cfg.embed_dropout)(x, deterministic=not train).astype(blk.compute_dtype)
         return EncoderStack(cfg, name="stack")(
             x, valid_tokens, attn_mask=attn_mask, segment_ids=segment_ids,
@@ -158,10 +173,18 @@ def segment_mean(x: jax.Array, valid_tokens: jax.Array, segment_ids: jax.Array, 
     return total / jnp.maximum(jnp.sum(w, axis=1), 1.0)[..., None]
 
 
-class Classifier(nn.Module):
-    """(tokens, valid_tokens, train=False) -> float32 logits [N, C] via masked-mean pooling.
+def last_token(x: jax.Array, valid_tokens: jax.Array) -> jax.Array:
+    """[N, L, D] -> float32[N, D]: each row's last real token (real tokens first; a row with none gives row 0)."""
+    last = jnp.maximum(jnp.sum(valid_tokens, axis=1, dtype=jnp.int32) - 1, 0)  # [N]
+    return jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0].astype(jnp.float32)
 
-    Packed rows: pass segment_ids (ids 0..S-1 per row) and num_segments=S to get [N, S, C].
+
+class Classifier(nn.Module):
+    """(tokens, valid_tokens, train=False) -> float32 logits [N, C] via config.pooling.
+
+    'mean': masked mean -> head (kernel [D, C], bias [C]). 'cls': token 0 -> pooler (Dense D -> D,
+    tanh or relu) -> dropout (embed_dropout) -> head. 'last': the last real token -> head without bias.
+    Packed rows ('mean' only): pass segment_ids (ids 0..S-1 per row) and num_segments=S to get [N, S, C].
     """
 
     config: EncoderConfig
@@ -174,16 +197,35 @@ class Classifier(nn.Module):
         *,
         segment_ids: jax.Array | None = None,
         num_segments: int | None = None,
+        token_type_ids: jax.Array | None = None,
         train: bool = False,
     ) -> jax.Array:
         cfg = self.config
-        h = Encoder(cfg, name="encoder")(tokens, valid_tokens, segment_ids=segment_ids, train=train)
+        h = Encoder(cfg, name="encoder")(
+            tokens, valid_tokens, token_type_ids=token_type_ids, segment_ids=segment_ids, train=train
+        )
         if segment_ids is not None and num_segments is not None:
+            if cfg.pooling != "mean":
+                raise ValueError(f"packed rows need pooling='mean', got pooling='{cfg.pooling}': unpack the batch")
             pooled = segment_mean(h, valid_tokens, segment_ids, num_segments)  # [N, S, D]
+        elif cfg.pooling == "cls":
+            pooled = nn.Dense(
+                cfg.block.model_dim,
+                kernel_init=nn.with_logical_partitioning(nn.initializers.lecun_normal(), ("embed", None)),
+                bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(), (None,)),
+                param_dtype=cfg.block.params_dtype,
+                dtype=jnp.float32,
+                name="pooler",
+            )(h[:, 0].astype(jnp.float32))  # [N, D]
+            pooled = jnp.tanh(pooled) if cfg.pooler_activation == "tanh" else jax.nn.relu(pooled)
+            pooled = nn.Dropout(cfg.embed_dropout)(pooled, deterministic=not train)
+        elif cfg.pooling == "last":
+            pooled = last_token(h, valid_tokens)  # [N, D]
         else:
             pooled = masked_mean(h, valid_tokens)  # [N, D]
         head = nn.Dense(
             cfg.num_classes,
+            use_bias=cfg.pooling != "last",
             kernel_init=nn.with_logical_partitioning(nn.initializers.lecun_normal(), ("embed", None)),
             bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(), (None,)),
             param_dtype=cfg.block.params_dtype,

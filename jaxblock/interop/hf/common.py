@@ -1,0 +1,74 @@
+"""Shared pieces of the transformers conversion: the refusal type and the weight-layout table.
+
+A `Mapping` row ties one transformers state-dict entry to one leaf of our params tree:
+    kind 'same'  identical layout (embeddings, norm weights)
+    kind 'flat'  a bias: ours [H, K] or [G, K] <-> transformers [H*K] / [G*K]; [D] stays [D]
+    kind 'in1'   nn.Linear weight [out, in] <-> our kernel with 1 input axis: [D, H, K], [D, F], [D, C]
+    kind 'in2'   nn.Linear weight [out, in] <-> our kernel with 2 input axes: the out-projection [H, K, D]
+Every map is a transpose and/or reshape, hence linear: it converts gradients as it converts weights.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, NamedTuple
+
+import numpy as np
+
+Kind = Literal["same", "flat", "in1", "in2"]
+
+
+class UnsupportedConfigError(ValueError):
+    """A model or config the conversion cannot express exactly; the message is one line naming the field."""
+
+
+class Mapping(NamedTuple):
+    hf_name: str  # transformers state-dict key
+    path: tuple[str, ...]  # our params path
+    kind: Kind
+
+
+def refuse(field: str, value: Any, why: str) -> UnsupportedConfigError:
+    return UnsupportedConfigError(f"{field}={value!r}: {why}")
+
+
+def layout_to_ours(hf: np.ndarray, shape: tuple[int, ...], kind: Kind) -> np.ndarray:
+    """transformers layout -> ours (shape: our leaf's shape)."""
+    a = hf.T if kind in ("in1", "in2") else hf
+    return np.ascontiguousarray(a.reshape(shape))
+
+
+def layout_to_hf(ours: np.ndarray, kind: Kind) -> np.ndarray:
+    """Our layout -> transformers'."""
+    if kind == "flat":
+        return ours.reshape(-1)
+    if kind in ("in1", "in2"):
+        n_in = 1 if kind == "in1" else 2
+        return np.ascontiguousarray(ours.reshape(int(np.prod(ours.shape[:n_in])), -1).T)
+    return ours
+
+
+def get_path(tree: Any, path: tuple[str, ...]) -> Any:
+    for key in path:
+        tree = tree[key]
+    return tree
+
+
+def set_path(tree: dict[str, Any], path: tuple[str, ...], value: Any) -> None:
+    for key in path[:-1]:
+        tree = tree.setdefault(key, {})
+    tree[path[-1]] = value
+
+
+def linear(
+    hf_prefix: str, path: tuple[str, ...], *, bias: bool, n_in: int = 1, bias_flat: bool = False
+) -> list[Mapping]:
+    """An nn.Linear (weight, optional bias) onto our kernel/bias pair under `path`."""
+    rows = [Mapping(f"{hf_prefix}.weight", (*path, "kernel"), "in1" if n_in == 1 else "in2")]
+    if bias:
+        rows.append(Mapping(f"{hf_prefix}.bias", (*path, "bias"), "flat" if bias_flat else "same"))
+    return rows
+
+
+def norm(hf_prefix: str, path: tuple[str, ...], *, bias: bool) -> list[Mapping]:
+    rows = [Mapping(f"{hf_prefix}.weight", (*path, "scale"), "same")]
+    return rows + ([Mapping(f"{hf_prefix}.bias", (*path, "bias"), "same")] if bias else [])
