@@ -82,8 +82,8 @@ def describe_damage(err: BaseException, step_dir: Path) -> str | None:
         if status:
             head = text.split(" [tensorstore_spec")[0].splitlines()[0]
             key, places = _TS_KEY.search(head), [m[1] for m in _TS_DIR.finditer(head)]
-            inner = _TS_DIR.search(head, head.rfind('local file "')) if places else None  # the innermost file
-            why = (inner[2] if inner and inner[2] else status[1]).strip().rstrip(".")
+            innermost = _TS_DIR.search(head, head.rfind('local file "')) if places else None  # the innermost file
+            why = (innermost[2] if innermost and innermost[2] else status[1]).strip().rstrip(".")
             if key and len(places) == 1:  # an array of an item: '<item>/<array key>'
                 return f"{Path(places[0]).name}/{key[1]}: {why}"
             return f"{_relative(Path(places[-1]), step_dir) if places else '?'}: {why}"  # a database file
