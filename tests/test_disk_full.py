@@ -79,3 +79,20 @@ def test_atomic_write_on_a_full_disk_keeps_the_previous_version(tmp_path):
 def test_other_write_errors_are_not_reported_as_a_full_disk(tmp_path):
     with pytest.raises(FileNotFoundError):
         atomic_write(tmp_path / "missing" / "summary.json", "{}")
+
+
+def test_a_checkpoint_save_that_ran_out_of_space_is_one_line():
+    from train.checkpoint_repair import save_failed_for_space
+
+    # The error Orbax's async save raised from wait_until_finished on a full 700 KiB tmpfs (abridged).
+    seen = ValueError(
+        'RESOURCE_EXHAUSTED: Error writing "opt_state.inner_state.1.0.mu.encoder.stack.layers_0.ffn.linear2.bias/0" '
+        'in OCDBT database at local file "/w/checkpoints/20.orbax-checkpoint-tmp/train.orbax-checkpoint-tmp/'
+        'ocdbt.process_0/": Failed writing: "/w/.../d/f1c6": Failed to write 44616 bytes to file 11: No space left '
+        "on device [os_error_code='28']")
+    full = save_failed_for_space(seen, "/w/checkpoints", 20)
+    assert full is not None and "\n" not in str(full)
+    assert str(full) == ("disk full while saving checkpoint 20 in /w/checkpoints: free space and rerun the same "
+                         "command to continue from the newest complete checkpoint")
+    assert save_failed_for_space(ValueError("RESOURCE_EXHAUSTED: out of memory"), "/w", 20) is None
+    assert save_failed_for_space(OSError(28, "No space left on device"), "/w", None) is not None

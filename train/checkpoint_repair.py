@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from train.checkpoint import DamagedCheckpointError
+from train.metrics import DiskFullError
 
 DAMAGED_SUFFIX = ".damaged"
 DAMAGE_NOTE = "DAMAGE.txt"
@@ -213,3 +214,27 @@ def _read(path: Path) -> str:
         return path.read_text(errors="replace")[-20000:]
     except OSError:
         return ""
+
+
+# TensorStore reports a failed write as ValueError("RESOURCE_EXHAUSTED: ... [os_error_code='28']") (ENOSPC);
+# a quota or file-size limit gives os_error_code 122 (EDQUOT) or 27 (EFBIG).
+_NO_SPACE_CODE = re.compile(r"os_error_code='(28|122|27)'|No space left on device|Disk quota exceeded|File too large")
+
+
+def save_failed_for_space(err: BaseException, directory: Path | str, step: int | None) -> DiskFullError | None:
+    """A one-line DiskFullError when a checkpoint save failed for lack of space, else None.
+
+    Orbax's async save raises this from `CheckpointManager.wait_until_finished` (also from the next `save`,
+    or from `save` itself when synchronous), after logging each failed thread's traceback through absl.
+    The unfinished step stays in `<step>.orbax-checkpoint-tmp`, which Orbax never lists and removes on the
+    next start, so every older checkpoint is intact and a rerun resumes from the newest of them."""
+    node: BaseException | None = err
+    for _ in range(20):
+        if node is None:
+            break
+        if (isinstance(node, OSError) and node.errno in (28, 122, 27)) or _NO_SPACE_CODE.search(str(node)):
+            which = f"checkpoint {step}" if step is not None else "a checkpoint"
+            return DiskFullError(28, f"disk full while saving {which} in {directory}: free space and rerun the "
+                                     "same command to continue from the newest complete checkpoint")
+        node = node.__cause__ or node.__context__
+    return None
