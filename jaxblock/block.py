@@ -59,9 +59,9 @@ class EncoderBlock(nn.Module):
         chex.assert_rank(x, 3)
         chex.assert_axis_dimension(x, 2, cfg.model_dim)
         masks.check_valid_tokens(valid_tokens, x.shape[:2])
-        # Zero padded positions: attention and pooling already keep them out of real outputs, but a NaN/Inf
-        # there would still reach every weight gradient (0 * NaN in the backward matmuls).
-        x = jnp.where(valid_tokens[..., None], x, 0)
+        # Non-finite padded values become 0: attention and pooling keep padding out of real outputs, but a
+        # NaN/Inf there would still reach every weight gradient (0 * NaN in the backward matmuls).
+        x = jnp.where(valid_tokens[..., None] | jnp.isfinite(x), x, 0)
         # A runtime 1.0 that XLA cannot fold away (see settle_gradient).
         one = (jnp.sum(valid_tokens, dtype=jnp.int32) >= 0).astype(jnp.float32)
         x = settle_gradient(x.astype(cfg.compute_dtype), one)

@@ -117,9 +117,9 @@ class Encoder(nn.Module):
             nn.with_logical_partitioning(nn.initializers.normal(1.0), ("vocab", "embed")),
             (cfg.vocab_size, blk.model_dim), blk.params_dtype,
         )
-        # Padded ids may be anything (even outside [0, V)); look up id 0 there so the lookup and its
-        # gradient stay in range.
-        x = jnp.take(embed, jnp.where(valid_tokens, tokens, 0), axis=0).astype(jnp.float32)  # [N, L, D]
+        # A padded id outside [0, V) looks up id 0 (not NaN), so the lookup and its gradient stay finite.
+        in_range = (tokens >= 0) & (tokens < cfg.vocab_size)
+        x = jnp.take(embed, jnp.where(valid_tokens | in_range, tokens, 0), axis=0).astype(jnp.float32)  # [N, L, D]
         if segment_ids is not None:
             positions = masks.segment_positions(segment_ids)
         else:

@@ -19,8 +19,7 @@ not a module attribute, so `from_torch` returns causal=False and `to_torch` refu
 Padded positions: PyTorch's TransformerEncoder fast path (eval, no autograd, norm_first=False,
 batch_first, enable_nested_tensor=True, a key_padding_mask) runs on nested tensors and returns 0 at
 padded positions, a fully padded row included (its final norm, if any, then maps those zeros to the
-norm's bias); its slow path computes them from the padded inputs, ours from zeros (each block zeroes
-padded inputs so that non-finite padding cannot reach gradients). The layer's own fused fast
+norm's bias); its slow path computes padded positions exactly as ours do. The layer's own fused fast
 path (one TransformerEncoderLayer, eval, no autograd) returns NaN for a fully padded row; ours is
 finite there. Parity is therefore measured at real positions only.
 
