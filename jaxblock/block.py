@@ -59,6 +59,9 @@ class EncoderBlock(nn.Module):
         chex.assert_rank(x, 3)
         chex.assert_axis_dimension(x, 2, cfg.model_dim)
         masks.check_valid_tokens(valid_tokens, x.shape[:2])
+        # Non-finite padded values become 0: attention and pooling keep padding out of real outputs, but a
+        # NaN/Inf there would still reach every weight gradient (0 * NaN in the backward matmuls).
+        x = jnp.where(valid_tokens[..., None] | jnp.isfinite(x), x, 0)
         x = x.astype(cfg.compute_dtype)
 
         def attn(h: jax.Array) -> jax.Array:

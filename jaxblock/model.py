@@ -123,13 +123,15 @@ class Encoder(nn.Module):
             nn.with_logical_partitioning(nn.initializers.normal(1.0), ("vocab", "embed")),
             (cfg.vocab_size, blk.model_dim), blk.params_dtype,
         )
-        x = jnp.take(embed, tokens, axis=0).astype(jnp.float32)  # [N, L, D]
+        # A padded id outside [0, V) looks up id 0 (not NaN), so the lookup and its gradient stay finite.
+        in_range = (tokens >= 0) & (tokens < cfg.vocab_size)
+        x = jnp.take(embed, jnp.where(valid_tokens | in_range, tokens, 0), axis=0).astype(jnp.float32)  # [N, L, D]
         if cfg.type_vocab_size:
             types = param(
                 self, "type_embedding",
                 nn.with_logical_partitioning(nn.initializers.normal(0.02), (None, "embed")),
                 (cfg.type_vocab_size, blk.model_dim), blk.params_dtype,
-            )  # [T, D]
+            )  # [type_vocab_size, D]
             type_ids = jnp.zeros_like(tokens) if token_type_ids is None else token_type_ids
             chex.assert_equal_shape([type_ids, tokens])
             x = x + jnp.take(types, type_ids, axis=0).astype(jnp.float32)

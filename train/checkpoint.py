@@ -40,6 +40,11 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be used (missing, incompatible): one line naming the problem and the fix."""
 
 
+class DamagedCheckpointError(CheckpointError):
+    """A checkpoint whose files cannot be read (truncated, missing): one line naming the step and file
+    (train/checkpoint_repair.py finds, moves aside and falls back from such checkpoints)."""
+
+
 def _handlers() -> dict[str, ocp.CheckpointHandler]:
     return {
         "params": ocp.StandardCheckpointHandler(),
@@ -155,7 +160,7 @@ def check_compatible(workdir: Path, step: int, params: Any) -> None:
         try:
             saved = manager.item_metadata(step)["params"]
         except Exception as err:  # Orbax raises assorted errors for unreadable metadata
-            raise CheckpointError(
+            raise DamagedCheckpointError(
                 f"checkpoint {step} in {workdir} is unreadable ({err.__class__.__name__}): remove "
                 f"{CHECKPOINT_DIR}/{step} to resume from an older one, or use a new --workdir"
             ) from None

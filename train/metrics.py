@@ -9,6 +9,7 @@ never writes a (split, step) that is already there.
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -26,6 +27,27 @@ from tqdm import tqdm
 JSONL_FILE = "metrics.jsonl"
 TB_DIR = "tb"
 CURVES_FILE = "curves.png"
+
+
+# errno values that mean "no room to write": a full disk, a quota, a file-size limit (RLIMIT_FSIZE).
+_NO_SPACE = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+
+
+class DiskFullError(OSError):
+    """No room to write a run file (exit code 2): one line naming the file and the fix. Whatever was being
+    written was rolled back, so rerunning the same command once there is space continues the run."""
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+
+def no_space(err: OSError, path: Path | str) -> DiskFullError | None:
+    """A DiskFullError for `err` when it means the disk (or quota, or file-size limit) is full, else None."""
+    if err.errno not in _NO_SPACE:
+        return None
+    return DiskFullError(err.errno, f"disk full while writing {Path(path).name} in {Path(path).parent} "
+                                    f"({os.strerror(err.errno or 0)}): free space and rerun the same command "
+                                    "to continue")
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -46,10 +68,17 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
 def atomic_write(path: Path, data: bytes | str) -> None:
     """Write a whole file or nothing: a kill mid-write leaves the previous version in place."""
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data.encode() if isinstance(data, str) else data)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data.encode() if isinstance(data, str) else data)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as err:
+        tmp.unlink(missing_ok=True)  # the previous version stays; a partial copy would only use space
+        full = no_space(err, path)
+        if full is None:
+            raise
+        raise full from None
     os.replace(tmp, path)
 
 
@@ -130,7 +159,7 @@ class MetricsLog:
         self.path = Path(workdir) / JSONL_FILE
         self._seen: set[tuple[str, int]] = set()
         self._tb_seen: set[tuple[str, int]] = set()
-        self._file: Any = None
+        self._fd: int | None = None
         self._tb: Any = None
         if not enabled:
             return
@@ -138,7 +167,9 @@ class MetricsLog:
         atomic_write(self.path, "".join(json.dumps(r) + "\n" for r in records).encode())
         self._seen = {(r["split"], r["step"]) for r in records}
         self._tb_seen = truncate_events(Path(workdir) / TB_DIR, resume_step)
-        self._file = open(self.path, "a")  # noqa: SIM115 - held open for the whole run, closed in close()
+        # One O_APPEND descriptor, written a whole line per os.write: a failed write is cut back to the last
+        # complete line (see write), and no buffer holds half a line that a later flush could emit.
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         # Imported here: tensorboardX imports torch when it is installed, seconds that only a writer needs.
         from tensorboardX import SummaryWriter
 
@@ -150,10 +181,9 @@ class MetricsLog:
     def write(self, split: str, step: int, values: dict[str, float]) -> None:
         if not self.enabled or (split, step) in self._seen:
             return
-        self._seen.add((split, step))
         clean = {k: (float(v) if math.isfinite(float(v)) else str(float(v))) for k, v in values.items()}
-        self._file.write(json.dumps({"step": step, "split": split, **clean}) + "\n")
-        self._file.flush()
+        self._append((json.dumps({"step": step, "split": split, **clean}) + "\n").encode())
+        self._seen.add((split, step))
         assert self._tb is not None
         for name, value in values.items():
             tag = f"{split}/{name}"
@@ -161,23 +191,48 @@ class MetricsLog:
                 self._tb.add_scalar(tag, float(value), step)
                 self._tb_seen.add((tag, step))
 
+    def _append(self, line: bytes) -> None:
+        """Append one whole line or nothing: on any error the file is cut back to its previous end."""
+        assert self._fd is not None
+        start = os.fstat(self._fd).st_size
+        try:
+            done = 0
+            while done < len(line):
+                done += os.write(self._fd, line[done:])
+        except OSError as err:
+            os.ftruncate(self._fd, start)
+            full = no_space(err, self.path)
+            if full is None:
+                raise
+            raise full from None
+
     def flush(self) -> None:
         """Make everything written so far durable (called before each checkpoint, so a kill after the
         checkpoint loses nothing it covers)."""
         if not self.enabled:
             return
-        self._file.flush()
-        os.fsync(self._file.fileno())
+        assert self._fd is not None
+        try:
+            os.fsync(self._fd)
+        except OSError as err:  # delayed allocation: a full disk can surface only here
+            full = no_space(err, self.path)
+            if full is None:
+                raise
+            raise full from None
         assert self._tb is not None
         self._tb.flush()
 
     def close(self) -> None:
-        if not self.enabled:
+        if not self.enabled or self._fd is None:
             return
-        self.flush()
-        self._file.close()
-        assert self._tb is not None
-        self._tb.close()
+        try:
+            self.flush()
+        finally:
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
+            assert self._tb is not None
+            self._tb.close()
 
 
 class Progress:
