@@ -17,8 +17,8 @@ and 2 processes x 4 see the same global rows, and the MLM corruption keyed by gl
 
 State: `BatchStream.get_state()` is a JSON-able dict (Grain's iterator state plus the stream's identity);
 `set_state` restores it, after which the stream yields exactly the batches the uninterrupted one would
-have. `grain.checkpoint.CheckpointSave(stream)` / `CheckpointRestore(stream)` put it in an Orbax checkpoint
-(one file per process).
+have. `grain.checkpoint.CheckpointSave(stream.orbax_item)` / `CheckpointRestore(stream.orbax_item)` put it
+in an Orbax checkpoint (Grain's handler: one JSON file per process).
 
 Batch (dict of NumPy arrays): tokens int32[N, L], valid_tokens bool[N, L] (True = real token, real tokens
 first in each row), segment_ids int32[N, L] (0.. per example in row order, -1 on padding); with
@@ -238,17 +238,27 @@ class _Records:
 
 
 class _TokenizeBlock(FlatMapTransform):
-    """A block of texts -> its non-empty examples {"tokens": int32[<= max_len]}, in order."""
+    """A block of texts -> its non-empty examples {"tokens": int32[<= max_len]}, in order.
+
+    A shard whose every block is empty would make the endless stream spin: after `blocks` empty blocks
+    in a row (a whole epoch of the shard) it stops with a DataError.
+    """
 
     max_fan_out = 1 << 20
 
-    def __init__(self, tokenizer: Tokenizer, max_len: int):
-        self.tokenizer, self.max_len = tokenizer, max_len
+    def __init__(self, tokenizer: Tokenizer, max_len: int, blocks: int, corpus: str):
+        self.tokenizer, self.max_len, self.blocks, self.corpus = tokenizer, max_len, blocks, corpus
+        self.empty_in_a_row = 0
 
     def flat_map(self, element: list[str]) -> list[dict[str, np.ndarray]]:
         encode_batch = getattr(self.tokenizer, "encode_batch", None)
         ids = encode_batch(element) if encode_batch else [self.tokenizer.encode(t) for t in element]
-        return [{"tokens": np.asarray(row[:self.max_len], np.int32)} for row in ids if len(row)]
+        out = [{"tokens": np.asarray(row[:self.max_len], np.int32)} for row in ids if len(row)]
+        self.empty_in_a_row = 0 if out else self.empty_in_a_row + 1
+        if self.empty_in_a_row >= self.blocks:
+            raise DataError(f"the corpus ({self.corpus}) has no text in a whole shard: add text or use fewer "
+                            "shards")
+        return out
 
 
 class _Finish:
@@ -280,7 +290,7 @@ class BatchStream(Iterator[Batch]):
 
     def __init__(self, config: StreamConfig, tokenizer: Tokenizer, *, process_index: int = 0,
                  process_count: int = 1, masking: MaskingSpec | None = None, prefetch: str | None = None,
-                 buffer: int = 4):
+                 buffer: int = 4, read_threads: int = 1):
         cfg = config
         if cfg.batch_rows % cfg.num_shards:
             raise DataError(f"batch of {cfg.batch_rows} rows does not divide among {cfg.num_shards} corpus "
@@ -293,6 +303,7 @@ class BatchStream(Iterator[Batch]):
                             "size, lower the shard count, or add text")
         self.config, self.process_index, self.process_count = cfg, process_index, process_count
         self.rows = cfg.batch_rows // process_count
+        self.read_threads = read_threads
         per_shard = cfg.batch_rows // cfg.num_shards
         pipelines = [self._shard(blocks, s, tokenizer, per_shard) for s in shards]
         finish = _Finish(tokenizer.pad_id, masking, cfg.seed, shards.start * per_shard, 0)
@@ -311,8 +322,13 @@ class BatchStream(Iterator[Batch]):
     def _shard(self, blocks: CorpusBlocks, shard: int, tokenizer: Tokenizer, rows: int) -> grain.IterDataset:
         cfg = self.config
         seed = (cfg.seed * 1_000_003 + shard) % 2**32
-        ds = grain.MapDataset.source(blocks)[shard::cfg.num_shards].shuffle(seed=seed).repeat(None)
-        it = FlatMapIterDataset(ds.to_iter_dataset(), _TokenizeBlock(tokenizer, cfg.row_len))
+        ds = grain.MapDataset.source(blocks)[shard::cfg.num_shards]
+        tokenize = _TokenizeBlock(tokenizer, cfg.row_len, len(ds), ", ".join(map(str, blocks.files)))
+        ds = ds.shuffle(seed=seed).repeat(None)
+        # Few reader threads and a short read-ahead: blocks are large, the machine may have 2 cores, and
+        # Grain's defaults (16 threads, 500 elements per shard) would hold 500 blocks per shard in memory.
+        reading = grain.ReadOptions(num_threads=self.read_threads, prefetch_buffer_size=2 * self.read_threads)
+        it = FlatMapIterDataset(ds.to_iter_dataset(reading), tokenize)
         it = WindowShuffleIterDataset(it, window_size=cfg.window, seed=seed)
         it = FirstFitPackIterDataset(it, length_struct={"tokens": cfg.row_len}, num_packing_bins=rows,
                                      shuffle_bins=False, max_sequences_per_bin=cfg.max_segments)
@@ -339,7 +355,28 @@ class BatchStream(Iterator[Batch]):
         self._iterator.set_state(state["grain"])
         self.step = int(state["step"])
 
+    @property
+    def orbax_item(self) -> _OrbaxItem:
+        """For `grain.checkpoint.CheckpointSave(...)` / `CheckpointRestore(...)` in an Orbax checkpoint."""
+        return _OrbaxItem(self)
+
     def close(self) -> None:
         close = getattr(self._iterator, "close", None)
         if close is not None:
             close()
+
+
+class _OrbaxItem:
+    """Grain's Orbax handler saves a non-Grain iterator's state as JSON text encoded in bytes."""
+
+    def __init__(self, stream: BatchStream):
+        self.stream = stream
+
+    def get_state(self) -> bytes:
+        return json.dumps(self.stream.get_state(), indent=1).encode()
+
+    def set_state(self, state: bytes) -> None:
+        self.stream.set_state(json.loads(state))
+
+    def start_prefetch(self) -> None:
+        """Called by the handler after a restore; the stream fetches on demand."""
