@@ -194,7 +194,12 @@ def test_process_prefetch_resumes_exactly(numbered: Path) -> None:
     state = stream.get_state()
     expected = take(stream, 10)
     stream.close()
-    resumed = BatchStream(config(numbered), TOK)  # the state does not depend on where the pipeline ran
+    resumed = BatchStream(config(numbered), TOK, prefetch="process")
     resumed.set_state(state)
-    for a, b in zip(expected, take(resumed, 10), strict=True):
+    inline = take(BatchStream(config(numbered), TOK), 19)[9:]  # the worker changes where, not what
+    for a, b, c in zip(expected, take(resumed, 10), inline, strict=True):
         np.testing.assert_array_equal(a["tokens"], b["tokens"])
+        np.testing.assert_array_equal(a["tokens"], c["tokens"])
+    resumed.close()
+    with pytest.raises(DataError, match="prefetch mode"):
+        BatchStream(config(numbered), TOK).set_state(state)

@@ -303,7 +303,7 @@ class BatchStream(Iterator[Batch]):
                             "size, lower the shard count, or add text")
         self.config, self.process_index, self.process_count = cfg, process_index, process_count
         self.rows = cfg.batch_rows // process_count
-        self.read_threads = read_threads
+        self.read_threads, self.prefetch = read_threads, prefetch
         per_shard = cfg.batch_rows // cfg.num_shards
         pipelines = [self._shard(blocks, s, tokenizer, per_shard) for s in shards]
         finish = _Finish(tokenizer.pad_id, masking, cfg.seed, shards.start * per_shard, 0)
@@ -342,7 +342,8 @@ class BatchStream(Iterator[Batch]):
     def identity(self) -> dict[str, Any]:
         """What a saved state is only valid for: the stream's config and this process's place."""
         return {"config": {**asdict(self.config), "paths": list(self.config.paths)},
-                "process_index": self.process_index, "process_count": self.process_count}
+                "process_index": self.process_index, "process_count": self.process_count,
+                "prefetch": self.prefetch}  # Grain's state layout differs with a worker process
 
     def get_state(self) -> dict[str, Any]:
         """JSON-able: restoring it with `set_state` resumes at the next batch exactly."""
@@ -350,8 +351,9 @@ class BatchStream(Iterator[Batch]):
 
     def set_state(self, state: dict[str, Any]) -> None:
         if state.get("identity") != json.loads(json.dumps(self.identity())):
-            raise DataError("the saved input-stream state belongs to a different corpus, batch or process layout: "
-                            "resume with the run's data settings and process count, or start a new workdir")
+            raise DataError("the saved input-stream state belongs to a different corpus, batch, process layout or "
+                            "prefetch mode: resume with the run's data settings and process count, or start a new "
+                            "workdir")
         self._iterator.set_state(state["grain"])
         self.step = int(state["step"])
 
