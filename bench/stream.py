@@ -60,18 +60,26 @@ def _config(corpus: Path) -> StreamConfig:
                         max_segments=SEGMENTS, window=4096)
 
 
+def _peak_rss_mb() -> float:
+    """VmHWM: this process's peak resident memory. (ru_maxrss would carry the parent's peak across exec.)"""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
 def child_rss(corpus: str, tokenizer_dir: str, batches: int) -> None:
     """Run in a fresh process: open the stream, draw batches, print peak RSS and timings as JSON."""
     from train.tokenizer import load_tokenizer
     tok = load_tokenizer(Path(tokenizer_dir))
-    baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # interpreter, NumPy, Grain, tokenizer
+    baseline = _peak_rss_mb()  # interpreter, NumPy, Grain, JAX, tokenizer
     start = time.perf_counter()
     stream = BatchStream(_config(Path(corpus)), tok, masking=MaskingSpec.for_tokenizer(tok))
     opened = time.perf_counter() - start
     for _ in range(batches):
         next(stream)
     print(json.dumps({"open_s": opened, "batches_s": time.perf_counter() - start - opened,
-                      "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                      "peak_rss_mb": _peak_rss_mb(),
                       "baseline_rss_mb": baseline}))
 
 

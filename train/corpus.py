@@ -77,7 +77,7 @@ def sentences(lexicon: Lexicon, rng: np.random.Generator, n: int) -> list[str]:
 
 
 def generate_corpus(path: Path, size_bytes: int, *, seed: int = 0, fmt: str = "text",
-                    fresh_bytes: int = 256 << 20) -> int:
+                    fresh_bytes: int = 64 << 20) -> int:
     """Write about `size_bytes` (at least, to the next whole line) to `path`; returns the line count."""
     if fmt not in ("text", "jsonl"):
         raise ValueError(f"unknown corpus format '{fmt}': use text or jsonl")
