@@ -157,6 +157,31 @@ def test_generated_corpus_streams_as_text_and_jsonl(tmp_path: Path) -> None:
     assert parse_size("2GB") == 2 << 30 and parse_size("200mb") == 200 << 20
 
 
+def test_globs_and_directories_list_files_in_order(numbered: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(numbered)
+    assert corpus_files(["*.txt", "b.jsonl"]) == [Path("a.txt"), Path("b.jsonl")]
+    assert corpus_files([str(numbered)]) == [numbered / "a.txt", numbered / "b.jsonl"]
+
+
+def test_generated_corpus_has_structure_beyond_word_frequencies(tmp_path: Path) -> None:
+    """A count model that sees a masked word's neighbours beats the most-frequent-word guess by far."""
+    generate_corpus(tmp_path / "c", 400_000, seed=5)
+    sentences = [line.split() for line in (tmp_path / "c").read_text().splitlines()]
+    train, test = sentences[: len(sentences) * 4 // 5], sentences[len(sentences) * 4 // 5:]
+    unigram: dict[str, int] = {}
+    context: dict[tuple[str, str], dict[str, int]] = {}
+    for words in train:
+        for i in range(1, len(words) - 1):
+            unigram[words[i]] = unigram.get(words[i], 0) + 1
+            counts = context.setdefault((words[i - 1], words[i + 1]), {})
+            counts[words[i]] = counts.get(words[i], 0) + 1
+    top = max(unigram, key=unigram.__getitem__)
+    hits = [(w[i] == top, w[i] == max(context.get((w[i - 1], w[i + 1]), {top: 1}).items(),
+                                       key=lambda kv: kv[1])[0]) for w in test for i in range(1, len(w) - 1)]
+    unigram_acc, context_acc = np.mean(hits, axis=0)
+    assert context_acc > unigram_acc + 0.2
+
+
 @pytest.mark.parametrize(("content", "fmt", "message"), [
     ('{"text": "ok"}\n{"body": "no text"}\n', "jsonl", r"c:2 has no string field 'text'"),
     ('{"text": "ok"}\nnot json\n', "jsonl", r"c:2 is not a JSON object"),

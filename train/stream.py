@@ -27,6 +27,7 @@ masking also mlm_targets int32[N, L] and mlm_weights float32[N, L] (`train.maski
 
 from __future__ import annotations
 
+import glob
 import itertools
 import json
 import os
@@ -88,8 +89,7 @@ def corpus_files(paths: Sequence[str]) -> list[Path]:
         elif path.is_file():
             found = [path]
         else:
-            found = sorted(f for f in Path(path.anchor or ".").glob(str(path.relative_to(path.anchor or ".")))
-                           if f.is_file()) if any(c in p for c in "*?[") else []
+            found = sorted(Path(f) for f in glob.glob(str(path), recursive=True) if Path(f).is_file())
         if not found:
             raise DataError(f"corpus path {p} matches no file: check the path or the glob pattern")
         files.extend(found)
