@@ -110,6 +110,8 @@ def test_state_of_another_stream_is_refused(numbered: Path) -> None:
     state = BatchStream(config(numbered), TOK).get_state()
     with pytest.raises(DataError, match="different corpus"):
         BatchStream(config(numbered, seed=9), TOK).set_state(state)
+    with pytest.raises(DataError, match="different corpus"):
+        BatchStream(config(numbered), IdTokenizer(LINES + 1)).set_state(state)
 
 
 def test_state_round_trips_through_an_orbax_checkpoint(numbered: Path, tmp_path: Path) -> None:

@@ -304,6 +304,7 @@ class BatchStream(Iterator[Batch]):
         self.config, self.process_index, self.process_count = cfg, process_index, process_count
         self.rows = cfg.batch_rows // process_count
         self.read_threads, self.prefetch = read_threads, prefetch
+        self.tokenizer_kind, self.tokenizer_vocab = tokenizer.kind, tokenizer.vocab_size
         per_shard = cfg.batch_rows // cfg.num_shards
         pipelines = [self._shard(blocks, s, tokenizer, per_shard) for s in shards]
         finish = _Finish(tokenizer.pad_id, masking, cfg.seed, shards.start * per_shard, 0)
@@ -343,7 +344,8 @@ class BatchStream(Iterator[Batch]):
         """What a saved state is only valid for: the stream's config and this process's place."""
         return {"config": {**asdict(self.config), "paths": list(self.config.paths)},
                 "process_index": self.process_index, "process_count": self.process_count,
-                "prefetch": self.prefetch}  # Grain's state layout differs with a worker process
+                "prefetch": self.prefetch,  # Grain's state layout differs with a worker process
+                "tokenizer": [self.tokenizer_kind, self.tokenizer_vocab]}  # positions count tokenized examples
 
     def get_state(self) -> dict[str, Any]:
         """JSON-able: restoring it with `set_state` resumes at the next batch exactly."""
