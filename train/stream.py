@@ -1,0 +1,386 @@
+"""Streaming, sharded, resumable batches of packed rows from text corpora too large for memory (Grain).
+
+Shape letters: N rows in this process's batch, L row length, K logical shards, P processes.
+
+A corpus is one or many files: plain text (one example per line), JSONL (one object per line with a text
+field) or ArrayRecord (one UTF-8 example per record). Files are read lazily in blocks: a text file is cut
+into byte ranges of about `block_bytes` that end at a newline (found by one seek per block, so opening a
+multi-GB corpus reads almost nothing and keeps no per-line index); an ArrayRecord file into runs of
+records. Blocks are dealt round-robin to K logical shards, fixed by the config and independent of P.
+
+Each shard is its own Grain pipeline: its blocks in a seeded global order, reshuffled every epoch and
+repeated forever -> tokenized (a block at a time) -> examples shuffled in a window of `window` ->
+first-fit packed into rows of L tokens -> N/K rows per step. Process p of P runs shards
+[p*K/P, (p+1)*K/P) and concatenates their rows, so it reads only its share, and the global batch
+(every process's rows in process order) is the same for any P that divides K: 1 process x 8 devices
+and 2 processes x 4 see the same global rows, and the MLM corruption keyed by global row matches too.
+
+State: `BatchStream.get_state()` is a JSON-able dict (Grain's iterator state plus the stream's identity);
+`set_state` restores it, after which the stream yields exactly the batches the uninterrupted one would
+have. `grain.checkpoint.CheckpointSave(stream.orbax_item)` / `CheckpointRestore(stream.orbax_item)` put it
+in an Orbax checkpoint (Grain's handler: one JSON file per process).
+
+Batch (dict of NumPy arrays): tokens int32[N, L], valid_tokens bool[N, L] (True = real token, real tokens
+first in each row), segment_ids int32[N, L] (0.. per example in row order, -1 on padding); with
+masking also mlm_targets int32[N, L] and mlm_weights float32[N, L] (`train.masking.mask_batch`).
+"""
+
+from __future__ import annotations
+
+import glob
+import itertools
+import json
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import grain
+import numpy as np
+from absl import flags as absl_flags
+from grain.experimental import (
+    FirstFitPackIterDataset,
+    FlatMapIterDataset,
+    FlatMapTransform,
+    WindowShuffleIterDataset,
+    ZipIterDataset,
+)
+
+from train.masking import MaskingSpec, mask_batch
+from train.sources import DataError
+from train.tokenizer import Tokenizer
+
+__all__ = ["BatchStream", "CorpusBlocks", "StreamConfig", "corpus_files", "shard_range"]
+
+Batch = dict[str, np.ndarray]
+FORMATS = ("text", "jsonl", "arrayrecord")
+
+
+@dataclass(frozen=True)
+class StreamConfig:
+    """paths: files, directories (every regular file inside, sorted) or glob patterns.
+    format: text | jsonl | arrayrecord | auto (by suffix: .jsonl/.json, .arrayrecord/.array_record, else text).
+    batch_rows: rows in the GLOBAL batch (all processes); a multiple of num_shards.
+    max_segments: at most S examples packed in a row (None: as many as fit).
+    window: examples in the shuffle window (bounded memory); seed: shuffles and masking.
+    """
+
+    paths: tuple[str, ...]
+    row_len: int = 128
+    batch_rows: int = 64
+    num_shards: int = 8
+    max_segments: int | None = 32
+    format: str = "auto"
+    text_field: str = "text"
+    seed: int = 0
+    window: int = 4096
+    block_bytes: int = 1 << 16
+    records_per_block: int = 256
+
+
+def corpus_files(paths: Sequence[str]) -> list[Path]:
+    """The corpus's files in a fixed order. DataError (one line) if a path matches nothing."""
+    files: list[Path] = []
+    for p in paths:
+        path = Path(p).expanduser()
+        if path.is_dir():
+            found = sorted(f for f in path.iterdir() if f.is_file() and not f.name.startswith("."))
+        elif path.is_file():
+            found = [path]
+        else:
+            found = sorted(Path(f) for f in glob.glob(str(path), recursive=True) if Path(f).is_file())
+        if not found:
+            raise DataError(f"corpus path {p} matches no file: check the path or the glob pattern")
+        files.extend(found)
+    return files
+
+
+def _format(path: Path, fmt: str) -> str:
+    if fmt != "auto":
+        if fmt not in FORMATS:
+            raise DataError(f"unknown corpus format '{fmt}': use one of auto, {', '.join(FORMATS)}")
+        return fmt
+    suffix = path.suffix.lower()
+    return "jsonl" if suffix in (".jsonl", ".json") else "arrayrecord" if suffix in (
+        ".arrayrecord", ".array_record") else "text"
+
+
+def shard_range(num_shards: int, process_index: int, process_count: int) -> range:
+    """The logical shards process p of P reads: a contiguous run of K/P."""
+    if process_count < 1 or not 0 <= process_index < process_count:
+        raise DataError(f"process {process_index} of {process_count} is not a valid process: check "
+                        "parallel.process_id and parallel.num_processes")
+    if num_shards % process_count:
+        raise DataError(f"{num_shards} corpus shards do not divide among {process_count} processes: set the "
+                        "shard count to a multiple of the process count")
+    per = num_shards // process_count
+    return range(process_index * per, (process_index + 1) * per)
+
+
+class CorpusBlocks:
+    """A Grain random-access source: element b is the list of texts in block b (lines or records).
+
+    Blocks are (file, start, end): byte ranges ending at a newline for text and JSONL, record ranges
+    for ArrayRecord. Picklable (open files are per process and reopened lazily).
+    """
+
+    def __init__(self, files: Sequence[Path], *, fmt: str = "auto", text_field: str = "text",
+                 block_bytes: int = 1 << 16, records_per_block: int = 256):
+        self.files = [Path(f) for f in files]
+        self.formats = [_format(f, fmt) for f in self.files]
+        self.text_field = text_field
+        spans: list[tuple[int, int, int]] = []
+        for i, (path, kind) in enumerate(zip(self.files, self.formats, strict=True)):
+            bounds = self._record_bounds(path, records_per_block) if kind == "arrayrecord" else \
+                self._byte_bounds(path, block_bytes)
+            spans.extend((i, a, b) for a, b in itertools.pairwise(bounds) if b > a)
+        if not spans:
+            raise DataError(f"the corpus ({', '.join(map(str, self.files))}) is empty: add text to it")
+        self.spans = np.asarray(spans, np.int64)  # [blocks, 3]: file, start, end
+        self._handles: dict[int, Any] = {}
+
+    @staticmethod
+    def _byte_bounds(path: Path, block_bytes: int) -> list[int]:
+        """Block starts: 0, then just past the first newline at or after each multiple of block_bytes."""
+        size = path.stat().st_size
+        bounds = [0]
+        with open(path, "rb") as f:
+            for target in range(block_bytes, size, block_bytes):
+                if target <= bounds[-1]:
+                    continue
+                pos = target - 1
+                f.seek(pos)
+                end = size
+                while piece := f.read(1 << 16):
+                    if (k := piece.find(b"\n")) >= 0:
+                        end = pos + k + 1
+                        break
+                    pos += len(piece)
+                if end < size:
+                    bounds.append(end)
+        return [*bounds, size]
+
+    @staticmethod
+    def _record_bounds(path: Path, per_block: int) -> list[int]:
+        count = len(_array_record_reader(path))
+        return [*range(0, count, per_block), count]
+
+    def __len__(self) -> int:
+        return len(self.spans)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_handles": {}}
+
+    def __getitem__(self, index: int) -> list[str]:
+        i, start, end = (int(v) for v in self.spans[index])
+        if self.formats[i] == "arrayrecord":
+            reader = self._handles.get(i) or self._handles.setdefault(i, _array_record_reader(self.files[i]))
+            records = reader.read(list(range(start, end)))
+            return [self._decode(r, i, start + k) for k, r in enumerate(records)]
+        fd = self._handles.get(i) or self._handles.setdefault(i, os.open(self.files[i], os.O_RDONLY))
+        lines = os.pread(fd, end - start, start).split(b"\n")  # pread: Grain reads blocks from threads
+        if self.formats[i] == "text":
+            return [self._decode(line, i, start).rstrip("\r") for line in lines if line.strip()]
+        return [self._json_text(line, i, start) for line in lines if line.strip()]
+
+    def _where(self, i: int, offset: int) -> str:
+        """'file:line' of the line at byte `offset` (counted only when reporting an error)."""
+        with open(self.files[i], "rb") as f:
+            line = f.read(offset).count(b"\n") + 1
+        return f"{self.files[i]}:{line}"
+
+    def _decode(self, raw: bytes, i: int, offset: int) -> str:
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise DataError(f"{self.files[i]} near byte/record {offset} is not UTF-8 text: convert the file to "
+                            "UTF-8") from None
+
+    def _json_text(self, line: bytes, i: int, block_start: int) -> str:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            raise DataError(f"{self._where(i, self._offset(i, block_start, line))} is not a JSON object: fix the "
+                            "line or read the file as plain text (format text)") from None
+        text = record.get(self.text_field) if isinstance(record, dict) else None
+        if not isinstance(text, str):
+            raise DataError(f"{self._where(i, self._offset(i, block_start, line))} has no string field "
+                            f"'{self.text_field}': add it or set the corpus text field") from None
+        return text
+
+    def _offset(self, i: int, block_start: int, line: bytes) -> int:
+        with open(self.files[i], "rb") as f:
+            f.seek(block_start)
+            return block_start + f.read(1 << 24).find(line)
+
+
+def _array_record_reader(path: Path) -> Any:
+    try:
+        from array_record.python.array_record_module import ArrayRecordReader
+        return _Records(ArrayRecordReader(str(path)))
+    except (OSError, RuntimeError, ValueError) as err:
+        raise DataError(f"{path} is not a readable ArrayRecord file ({err.__class__.__name__}): check the file "
+                        "or give its format explicitly") from None
+
+
+class _Records:
+    """Random access to an ArrayRecord file's records (the reader's own index, nothing loaded)."""
+
+    def __init__(self, reader: Any):
+        self.reader = reader
+
+    def __len__(self) -> int:
+        return int(self.reader.num_records())
+
+    def read(self, indices: list[int]) -> list[bytes]:
+        return list(self.reader.read(indices))
+
+
+class _TokenizeBlock(FlatMapTransform):
+    """A block of texts -> its non-empty examples {"tokens": int32[<= max_len]}, in order.
+
+    A shard whose every block is empty would make the endless stream spin: after `blocks` empty blocks
+    in a row (a whole epoch of the shard) it stops with a DataError.
+    """
+
+    max_fan_out = 1 << 20
+
+    def __init__(self, tokenizer: Tokenizer, max_len: int, blocks: int, corpus: str):
+        self.tokenizer, self.max_len, self.blocks, self.corpus = tokenizer, max_len, blocks, corpus
+        self.empty_in_a_row = 0
+
+    def flat_map(self, element: list[str]) -> list[dict[str, np.ndarray]]:
+        encode_batch = getattr(self.tokenizer, "encode_batch", None)
+        ids = encode_batch(element) if encode_batch else [self.tokenizer.encode(t) for t in element]
+        out = [{"tokens": np.asarray(row[:self.max_len], np.int32)} for row in ids if len(row)]
+        self.empty_in_a_row = 0 if out else self.empty_in_a_row + 1
+        if self.empty_in_a_row >= self.blocks:
+            raise DataError(f"the corpus ({self.corpus}) has no text in a whole shard: add text or use fewer "
+                            "shards")
+        return out
+
+
+class _Finish:
+    """Zipped shard batches -> one process batch in the repo's convention (+ MLM corruption)."""
+
+    def __init__(self, pad_id: int, masking: MaskingSpec | None, seed: int, row_offset: int, first_step: int):
+        self.pad_id, self.masking, self.seed = pad_id, masking, seed
+        self.row_offset, self.first_step = row_offset, first_step
+
+    def __call__(self, index: int, parts: tuple[dict[str, np.ndarray], ...]) -> Batch:
+        segments = np.concatenate([p["tokens_segment_ids"] for p in parts]).astype(np.int32) - 1  # Grain: 1.., 0 pad
+        valid = segments >= 0
+        tokens = np.where(valid, np.concatenate([p["tokens"] for p in parts]), self.pad_id).astype(np.int32)
+        batch = {"tokens": tokens, "valid_tokens": valid, "segment_ids": segments}
+        if self.masking is None:
+            return batch
+        return mask_batch(batch, self.masking, seed=self.seed, step=self.first_step + index,
+                          row_offset=self.row_offset)
+
+
+class BatchStream(Iterator[Batch]):
+    """This process's batches, step after step, forever (the corpus repeats, reshuffled each epoch).
+
+    tokenizer: any train/tokenizer.py tokenizer (encodes on the fly, in the stream's worker when
+    `prefetch` is "process"). masking: corrupt each batch for MLM, keyed by (seed, step, global row).
+    prefetch: None (in the calling thread), "thread" or "process" (one background worker process that
+    runs the whole pipeline and overlaps it with the training step).
+    """
+
+    def __init__(self, config: StreamConfig, tokenizer: Tokenizer, *, process_index: int = 0,
+                 process_count: int = 1, masking: MaskingSpec | None = None, prefetch: str | None = None,
+                 buffer: int = 4, read_threads: int = 1):
+        cfg = config
+        if cfg.batch_rows % cfg.num_shards:
+            raise DataError(f"batch of {cfg.batch_rows} rows does not divide among {cfg.num_shards} corpus "
+                            "shards: make the batch size a multiple of the shard count")
+        shards = shard_range(cfg.num_shards, process_index, process_count)
+        blocks = CorpusBlocks(corpus_files(cfg.paths), fmt=cfg.format, text_field=cfg.text_field,
+                              block_bytes=cfg.block_bytes, records_per_block=cfg.records_per_block)
+        if len(blocks) < cfg.num_shards:
+            raise DataError(f"the corpus has {len(blocks)} blocks for {cfg.num_shards} shards: lower the block "
+                            "size, lower the shard count, or add text")
+        self.config, self.process_index, self.process_count = cfg, process_index, process_count
+        self.rows = cfg.batch_rows // process_count
+        self.read_threads, self.prefetch = read_threads, prefetch
+        self.tokenizer_kind, self.tokenizer_vocab = tokenizer.kind, tokenizer.vocab_size
+        per_shard = cfg.batch_rows // cfg.num_shards
+        pipelines = [self._shard(blocks, s, tokenizer, per_shard) for s in shards]
+        finish = _Finish(tokenizer.pad_id, masking, cfg.seed, shards.start * per_shard, 0)
+        ds = ZipIterDataset(pipelines).map_with_index(finish)
+        if prefetch == "thread":
+            ds = grain.experimental.ThreadPrefetchIterDataset(ds, prefetch_buffer_size=buffer)
+        elif prefetch == "process":
+            if not absl_flags.FLAGS.is_parsed():  # Grain's worker reads absl flags; the trainer uses none
+                absl_flags.FLAGS.mark_as_parsed()
+            ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=1, per_worker_buffer_size=buffer))
+        elif prefetch is not None:
+            raise DataError(f"unknown prefetch '{prefetch}': use none, thread or process")
+        self._iterator = iter(ds)
+        self.step = 0
+
+    def _shard(self, blocks: CorpusBlocks, shard: int, tokenizer: Tokenizer, rows: int) -> grain.IterDataset:
+        cfg = self.config
+        seed = (cfg.seed * 1_000_003 + shard) % 2**32
+        ds = grain.MapDataset.source(blocks)[shard::cfg.num_shards]
+        tokenize = _TokenizeBlock(tokenizer, cfg.row_len, len(ds), ", ".join(map(str, blocks.files)))
+        ds = ds.shuffle(seed=seed).repeat(None)
+        # Few reader threads and a short read-ahead: blocks are large, the machine may have 2 cores, and
+        # Grain's defaults (16 threads, 500 elements per shard) would hold 500 blocks per shard in memory.
+        reading = grain.ReadOptions(num_threads=self.read_threads, prefetch_buffer_size=2 * self.read_threads)
+        it = FlatMapIterDataset(ds.to_iter_dataset(reading), tokenize)
+        it = WindowShuffleIterDataset(it, window_size=cfg.window, seed=seed)
+        it = FirstFitPackIterDataset(it, length_struct={"tokens": cfg.row_len}, num_packing_bins=rows,
+                                     shuffle_bins=False, max_sequences_per_bin=cfg.max_segments)
+        return it.batch(rows, drop_remainder=True)
+
+    def __next__(self) -> Batch:
+        batch = next(self._iterator)
+        self.step += 1
+        return batch
+
+    def identity(self) -> dict[str, Any]:
+        """What a saved state is only valid for: the stream's config and this process's place."""
+        return {"config": {**asdict(self.config), "paths": list(self.config.paths)},
+                "process_index": self.process_index, "process_count": self.process_count,
+                "prefetch": self.prefetch,  # Grain's state layout differs with a worker process
+                "tokenizer": [self.tokenizer_kind, self.tokenizer_vocab]}  # positions count tokenized examples
+
+    def get_state(self) -> dict[str, Any]:
+        """JSON-able: restoring it with `set_state` resumes at the next batch exactly."""
+        return {"identity": self.identity(), "step": self.step, "grain": self._iterator.get_state()}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        if state.get("identity") != json.loads(json.dumps(self.identity())):
+            raise DataError("the saved input-stream state belongs to a different corpus, batch, process layout or "
+                            "prefetch mode: resume with the run's data settings and process count, or start a new "
+                            "workdir")
+        self._iterator.set_state(state["grain"])
+        self.step = int(state["step"])
+
+    @property
+    def orbax_item(self) -> _OrbaxItem:
+        """For `grain.checkpoint.CheckpointSave(...)` / `CheckpointRestore(...)` in an Orbax checkpoint."""
+        return _OrbaxItem(self)
+
+    def close(self) -> None:
+        close = getattr(self._iterator, "close", None)
+        if close is not None:
+            close()
+
+
+class _OrbaxItem:
+    """Grain's Orbax handler saves a non-Grain iterator's state as JSON text encoded in bytes."""
+
+    def __init__(self, stream: BatchStream):
+        self.stream = stream
+
+    def get_state(self) -> bytes:
+        return json.dumps(self.stream.get_state(), indent=1).encode()
+
+    def set_state(self, state: bytes) -> None:
+        self.stream.set_state(json.loads(state))
+
+    def start_prefetch(self) -> None:
+        """Called by the handler after a restore; the stream fetches on demand."""
