@@ -1,0 +1,135 @@
+"""Masked-language-model head over `Encoder`: logits for chosen positions, tied or untied output.
+
+Shapes: N batch, L length, D width, P predicted positions per row, V vocabulary.
+Mask convention: `valid_tokens: bool[N, L]`, True = a real token (real tokens first); `weights: bool[N, P]`,
+True = a chosen position whose loss counts (False = a filler slot, e.g. past a row's last choice).
+
+Parameter tree: encoder/... (exactly `Encoder`'s, so a fine-tune loads it unchanged), transform_dense
+and transform_norm when `transform`, output_bias [V], and output_kernel [D, V] only when untied.
+
+Why the tied logits are scaled by 1/sqrt(D): `Encoder` initialises the embedding N(0, 1) (the input
+scale a Pre-LN stack wants), while the final norm leaves hidden states at unit variance per feature, so
+h . e has standard deviation sqrt(D) (11 at D=128): softmax starts saturated on a few random words and
+the loss starts near sqrt(D) nats instead of ln V. Scaling by 1/sqrt(D) starts the logits at unit scale,
+as an untied LeCun-initialised kernel does.
+"""
+
+from __future__ import annotations
+
+import math
+
+import chex
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+
+from jaxblock.config import EncoderConfig
+from jaxblock.model import Encoder
+from jaxblock.norms import make_norm
+
+Metrics = dict[str, jax.Array]
+
+
+def select_positions(chosen: jax.Array, max_predictions: int) -> tuple[jax.Array, jax.Array]:
+    """bool[N, L] chosen tokens -> (positions int32[N, P], weights bool[N, P]) with P = max_predictions.
+
+    Chosen positions come first in increasing order; the rest of each row is filled with position 0
+    and weight False. A row with more than P chosen tokens keeps its first P (pick P >= the most a row
+    can hold, e.g. ceil(rate * L) + a margin, so nothing is dropped). Jit-friendly: P is static.
+    """
+    chex.assert_rank(chosen, 2)
+    if not 0 < max_predictions <= chosen.shape[1]:
+        raise ValueError(f"max_predictions={max_predictions} must be in 1..L={chosen.shape[1]}")
+    order = jnp.argsort(~chosen, axis=1, stable=True)[:, :max_predictions]  # chosen first, in order
+    weights = jnp.take_along_axis(chosen, order, axis=1)
+    positions = jnp.where(weights, order, 0).astype(jnp.int32)
+    return positions, weights
+
+
+class MaskedLM(nn.Module):
+    """(tokens int[N, L], valid_tokens bool[N, L]) -> float32 logits [N, L, V], or [N, P, V] at `positions`.
+
+    Pass `positions` (int[N, P], from `select_positions`) in training: the output projection is the
+    costliest matmul of a small encoder (N*L*D*V: at D=128, V=16k it is 64x one D x D projection), and
+    its float32 logits with their gradient hold 2*N*L*V*4 bytes (512 MiB at N=128, L=64); gathering
+    the ~15% chosen positions first cuts both by L/P.
+
+    tie_embeddings: output kernel = the encoder's token embedding (transposed), logits scaled by
+      1/sqrt(D) (see the module docstring); False: its own [D, V] kernel.
+    transform: BERT's prediction transform (dense D->D, GELU, norm) before the projection; it gives the
+      MLM objective its own layer, so the encoder's last block need not serve as a word predictor.
+    Padding never influences a real position (attention masks it) and `mlm_loss` ignores filler slots.
+    """
+
+    config: EncoderConfig
+    tie_embeddings: bool = True
+    transform: bool = True
+
+    @nn.compact
+    def __call__(
+        self,
+        tokens: jax.Array,
+        valid_tokens: jax.Array,
+        *,
+        positions: jax.Array | None = None,
+        segment_ids: jax.Array | None = None,
+        train: bool = False,
+    ) -> jax.Array:
+        cfg = self.config
+        blk = cfg.block
+        encoder = Encoder(cfg, name="encoder")
+        h = encoder(tokens, valid_tokens, segment_ids=segment_ids, train=train)  # [N, L, D]
+        if positions is not None:
+            chex.assert_rank(positions, 2)
+            chex.assert_equal(positions.shape[0], tokens.shape[0])
+            h = jnp.take_along_axis(h, positions[..., None].astype(jnp.int32), axis=1)  # [N, P, D]
+        dim = blk.model_dim
+        if self.transform:
+            h = nn.Dense(
+                dim,
+                kernel_init=nn.with_logical_partitioning(nn.initializers.lecun_normal(), ("embed", "mlp")),
+                bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(), ("mlp",)),
+                param_dtype=blk.params_dtype, dtype=blk.compute_dtype, name="transform_dense",
+            )(h)
+            h = nn.gelu(h, approximate=False)
+            h = make_norm(blk, "transform_norm")(h)
+        h = h.astype(blk.compute_dtype)
+        if self.tie_embeddings:
+            embedding = nn.unbox(encoder.variables["params"]["embedding"])  # [V, D]
+            logits = jnp.einsum(
+                "NPD,VD->NPV", h, embedding.astype(blk.compute_dtype), preferred_element_type=jnp.float32
+            ) * (1.0 / math.sqrt(dim))
+        else:
+            kernel = self.param(
+                "output_kernel",
+                nn.with_logical_partitioning(nn.initializers.lecun_normal(), ("embed", "vocab")),
+                (dim, cfg.vocab_size), blk.params_dtype,
+            )
+            logits = jnp.einsum(
+                "NPD,DV->NPV", h, jnp.asarray(kernel).astype(blk.compute_dtype), preferred_element_type=jnp.float32
+            )
+        bias = self.param(
+            "output_bias", nn.with_logical_partitioning(nn.initializers.zeros_init(), ("vocab",)),
+            (cfg.vocab_size,), blk.params_dtype,
+        )
+        logits = logits + jnp.asarray(bias).astype(jnp.float32)[None, None, :]
+        chex.assert_type(logits, jnp.float32)
+        return logits
+
+
+def mlm_loss(logits: jax.Array, targets: jax.Array, weights: jax.Array) -> tuple[jax.Array, Metrics]:
+    """Mean cross-entropy over chosen positions only.
+
+    logits float32[N, P, V], targets int[N, P] (the original ids), weights bool[N, P] (True = counts).
+    Returns (loss, {"loss", "accuracy", "count"}); with no chosen position the loss is 0, not NaN.
+    """
+    chex.assert_rank(logits, 3)
+    chex.assert_equal_shape((targets, weights))
+    w = weights.astype(jnp.float32)
+    count = jnp.sum(w)
+    per_token = optax.softmax_cross_entropy_with_integer_labels(logits, targets)  # [N, P]
+    # where, not multiply: a filler slot's non-finite loss must not reach the sum (0 * NaN = NaN).
+    loss = jnp.sum(jnp.where(weights, per_token, 0.0)) / jnp.maximum(count, 1.0)
+    hits = jnp.sum(jnp.where(weights, jnp.argmax(logits, axis=-1) == targets, False).astype(jnp.float32))
+    return loss, {"loss": loss, "accuracy": hits / jnp.maximum(count, 1.0), "count": count}

@@ -1,0 +1,151 @@
+"""MaskedLM: tied/untied output parameters, shapes, padding independence, loss over chosen tokens only."""
+
+from __future__ import annotations
+
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxblock import EncoderConfig
+from jaxblock.mlm import MaskedLM, mlm_loss, select_positions
+
+V, D, N, L = 50, 16, 3, 8
+
+
+def config(**kw: object) -> EncoderConfig:
+    return EncoderConfig(num_layers=1, vocab_size=V, max_len=L,
+                         block={"model_dim": D, "num_heads": 2, "ffn_dim": 32}, **kw)  # type: ignore[arg-type]
+
+
+def batch(seed: int = 0) -> tuple[jax.Array, jax.Array]:
+    rng = np.random.default_rng(seed)
+    lengths = np.array([L, 5, 2])
+    valid = np.arange(L)[None, :] < lengths[:, None]
+    tokens = np.where(valid, rng.integers(2, V, (N, L)), 0)
+    return jnp.asarray(tokens, jnp.int32), jnp.asarray(valid)
+
+
+def init(model: MaskedLM, **kw: object) -> dict:
+    tokens, valid = batch()
+    return nn.unbox(model.init(jax.random.key(0), tokens, valid, **kw)["params"])
+
+
+def test_tied_output_shares_the_embedding_and_gets_its_gradient() -> None:
+    model = MaskedLM(config(), tie_embeddings=True)
+    params = init(model)
+    assert "output_kernel" not in params and params["output_bias"].shape == (V,)
+    tokens, valid = batch()
+    # A token that never appears in the input gets an embedding gradient only through the output side.
+    absent = next(t for t in range(2, V) if t not in np.asarray(tokens))
+    targets = jnp.full((N, L), absent, jnp.int32)
+
+    def loss(p: dict) -> jax.Array:
+        return mlm_loss(model.apply({"params": p}, tokens, valid), targets, valid)[0]
+
+    grads = jax.grad(loss)(params)
+    assert float(jnp.abs(grads["encoder"]["embedding"][absent]).sum()) > 0
+
+    # Changing the embedding row of a word changes its output logit: the two are one parameter. (A random
+    # change: a constant one is orthogonal to the zero-mean output of the transform's LayerNorm.)
+    bumped = jax.tree.map(lambda x: x, params)
+    bump = jax.random.normal(jax.random.key(1), (D,))
+    bumped["encoder"]["embedding"] = params["encoder"]["embedding"].at[absent].add(bump)
+    before = model.apply({"params": params}, tokens, valid)
+    after = model.apply({"params": bumped}, tokens, valid)
+    assert not np.allclose(before[..., absent], after[..., absent])
+    np.testing.assert_allclose(before[..., absent + 1], after[..., absent + 1], rtol=1e-6, atol=1e-6)
+
+
+def test_untied_output_has_its_own_kernel() -> None:
+    model = MaskedLM(config(), tie_embeddings=False)
+    params = init(model)
+    assert params["output_kernel"].shape == (D, V)
+    tokens, valid = batch()
+    absent = next(t for t in range(2, V) if t not in np.asarray(tokens))
+    grads = jax.grad(lambda p: mlm_loss(model.apply({"params": p}, tokens, valid),
+                                        jnp.full((N, L), absent), valid)[0])(params)
+    assert float(jnp.abs(grads["encoder"]["embedding"][absent]).sum()) == 0
+    assert float(jnp.abs(grads["output_kernel"][:, absent]).sum()) > 0
+
+
+@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("transform", [True, False])
+def test_shapes_and_start_at_unit_logit_scale(tied: bool, transform: bool) -> None:
+    model = MaskedLM(config(), tie_embeddings=tied, transform=transform)
+    params = init(model)
+    tokens, valid = batch()
+    logits = model.apply({"params": params}, tokens, valid)
+    assert logits.shape == (N, L, V) and logits.dtype == jnp.float32
+    # The untrained loss sits near ln V, not sqrt(D) nats above it (the tied scale in the docstring).
+    std = float(jnp.std(logits))
+    assert 0.3 < std < 3.0, std
+    positions, _ = select_positions(valid & (jnp.arange(L) % 2 == 0)[None, :], 4)
+    picked = model.apply({"params": params}, tokens, valid, positions=positions)
+    assert picked.shape == (N, 4, V)
+    np.testing.assert_allclose(picked, jnp.take_along_axis(logits, positions[..., None], axis=1), atol=1e-5)
+
+
+def test_padding_content_does_not_change_real_positions() -> None:
+    model = MaskedLM(config())
+    params = init(model)
+    tokens, valid = batch()
+    other = jnp.where(valid, tokens, 7)  # different ids in the padded slots
+    a = model.apply({"params": params}, tokens, valid)
+    b = model.apply({"params": params}, other, valid)
+    np.testing.assert_allclose(np.asarray(a)[np.asarray(valid)], np.asarray(b)[np.asarray(valid)], atol=1e-5)
+
+
+def test_loss_counts_only_chosen_positions() -> None:
+    rng = np.random.default_rng(0)
+    logits = jnp.asarray(rng.normal(size=(N, L, V)), jnp.float32)
+    targets = jnp.asarray(rng.integers(0, V, (N, L)), jnp.int32)
+    chosen = jnp.asarray(rng.random((N, L)) < 0.4).at[0, 0].set(True)
+    loss, m = mlm_loss(logits, targets, chosen)
+    # Reference: the mean over chosen tokens of -log softmax at the target.
+    logp = jax.nn.log_softmax(logits)
+    ref = -np.mean(np.take_along_axis(np.asarray(logp), np.asarray(targets)[..., None], -1)[..., 0][np.asarray(chosen)])
+    np.testing.assert_allclose(float(loss), ref, rtol=1e-5)
+    assert int(m["count"]) == int(chosen.sum())
+    # Unchosen positions may hold anything, even NaN, without reaching the loss or its gradient.
+    poisoned = jnp.where(chosen[..., None], logits, jnp.nan)
+    assert math.isclose(float(mlm_loss(poisoned, targets, chosen)[0]), float(loss), rel_tol=1e-6)
+    g = jax.grad(lambda x: mlm_loss(x, targets, chosen)[0])(logits)
+    assert float(jnp.abs(g[~chosen]).sum()) == 0
+    hits = (np.argmax(np.asarray(logits), -1) == np.asarray(targets))[np.asarray(chosen)]
+    np.testing.assert_allclose(float(m["accuracy"]), hits.mean(), rtol=1e-6)
+    assert float(mlm_loss(logits, targets, jnp.zeros_like(chosen))[0]) == 0.0
+
+
+def test_select_positions_keeps_order_and_marks_fillers() -> None:
+    chosen = jnp.asarray([[False, True, False, True], [False, False, False, False], [True, True, True, True]])
+    pos, w = select_positions(chosen, 3)
+    np.testing.assert_array_equal(pos, [[1, 3, 0], [0, 0, 0], [0, 1, 2]])
+    np.testing.assert_array_equal(w, [[True, True, False], [False, False, False], [True, True, True]])
+    with pytest.raises(ValueError, match="max_predictions"):
+        select_positions(chosen, 5)
+
+
+def test_learns_to_copy_on_a_tiny_corpus() -> None:
+    """The unmasked input token is the target: a few Adam steps beat the unigram guess by far."""
+    import optax
+
+    model = MaskedLM(config())
+    params = init(model)
+    tokens, valid = batch(1)
+    tx = optax.adam(1e-2)
+    opt = tx.init(params)
+
+    @jax.jit
+    def step(p: dict, o: optax.OptState) -> tuple[dict, optax.OptState, jax.Array]:
+        (_, m), g = jax.value_and_grad(
+            lambda q: mlm_loss(model.apply({"params": q}, tokens, valid), tokens, valid), has_aux=True)(p)
+        u, o = tx.update(g, o, p)
+        return optax.apply_updates(p, u), o, m["accuracy"]
+
+    for _ in range(60):
+        params, opt, acc = step(params, opt)
+    assert float(acc) > 0.9
