@@ -3,10 +3,11 @@
 A checkpoint step directory holds three items:
 - `params`: the model parameters;
 - `train`: optimizer state and the step counter;
-- `meta` (JSON): step, the run seed and the label names.
+- `meta` (JSON): step, the run seed, the label names and the batch source's reading position
+  (`data_state`: None for the in-memory source, whose batch of step t is a pure function of (seed, t)).
 That is everything needed to continue exactly: the dropout key of step t is fold_in(key(seed), t) and the
-batch of step t is a pure function of (seed, t) (train/data.py), so the step *is* the data position and the
-RNG state; no iterator or key needs saving. Beside the checkpoints, the workdir holds the resolved config
+batch source restores its position from `data_state`, so no other iterator or key needs saving. Beside
+the checkpoints, the workdir holds the resolved config
 (`config.yaml`) and the tokenizer (`tokenizer/`), so `evaluate` and `predict` need nothing else.
 
 Orbax writes each save into a temporary directory and renames it when complete; a save killed halfway
@@ -75,8 +76,10 @@ def _best_fn(cfg: CheckpointConfig) -> Any:
 
 
 def _reader(directory: Path, cfg: CheckpointConfig | None = None) -> ocp.CheckpointManager:
+    # Read-only with the options it implies spelled out: Orbax overrides (and logs a warning for) any
+    # setting that would write, i.e. its defaults save_interval_steps=1 and create=True.
     options = ocp.CheckpointManagerOptions(
-        read_only=True, enable_async_checkpointing=False,
+        read_only=True, save_interval_steps=0, create=False, enable_async_checkpointing=False,
         best_fn=_best_fn(cfg) if cfg is not None else None, best_mode=cfg.best_mode if cfg is not None else "max",
     )
     return ocp.CheckpointManager(directory.absolute(), options=options, item_handlers=_handlers())
