@@ -17,6 +17,7 @@ the last complete checkpoint.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,17 @@ from train.tokenizer import Tokenizer, load_tokenizer
 CHECKPOINT_DIR = "checkpoints"
 CONFIG_FILE = "config.yaml"
 TOKENIZER_DIR = "tokenizer"
+
+
+class _ReadOnlyNotice(logging.Filter):
+    """Drops Orbax's "Given directory is read only" warning, which it logs for every read-only manager:
+    reading a run (resume checks, evaluate, predict, the inference API) is what we mean, not a problem."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Given directory is read only")
+
+
+logging.getLogger("absl").addFilter(_ReadOnlyNotice())
 
 
 class CheckpointError(ValueError):
