@@ -21,6 +21,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+import flax.linen as nn
 import jax
 import numpy as np
 import optax
@@ -230,7 +231,7 @@ def load_for_inference(workdir: Path | str, step: int | None = None) -> tuple[Co
     return config, restored["params"], tokenizer, list(restored["meta"]["label_names"])
 
 
-def inference_state(model: Classifier, params: Any) -> TrainState:
+def inference_state(model: nn.Module, params: Any) -> TrainState:
     """A TrainState for `eval_step` that carries no optimizer state (evaluate/predict)."""
     return TrainState.create(apply_fn=model.apply, params=params, tx=optax.identity(), lr_schedule=lambda _: 0.0)
 

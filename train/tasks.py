@@ -80,7 +80,7 @@ class ClassificationTask:
     classes, accuracy, probabilities for prediction. Labels < 0 mark padding examples."""
 
     name = "classification"
-    target_keys = ("labels",)
+    target_keys: tuple[str, ...] = ("labels",)
     count_name = "examples"
     pad_values: Mapping[str, int] = {"labels": -1, "segment_ids": -1}
 
