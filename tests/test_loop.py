@@ -109,6 +109,7 @@ def test_eval_is_deterministic_and_batch_size_free(plan):
     assert regrouped["loss"] == pytest.approx(first["loss"], rel=1e-5)
 
 
+@pytest.mark.slow
 def test_overfits_four_fixed_examples(plan):
     cfg = plan.config
     assert cfg.model.block.residual_dropout == cfg.model.block.ffn_dropout == cfg.model.embed_dropout == 0.0
