@@ -37,7 +37,8 @@ LR, WEIGHT_DECAY, CLIP = 1e-4, 0.01, 1.0
 
 @dataclass(frozen=True)
 class Shape:
-    """One benchmark shape: batch N, length L, width D, heads H, FFN width F, layers K."""
+    """One benchmark shape: batch N, length L, width D, heads H, FFN width F, and `k` layers (the tables'
+    column K; a name the benchmarks keep for their records, not the head width of jaxblock's docstrings)."""
 
     n: int
     length: int
@@ -77,7 +78,7 @@ def make_inputs(shape: Shape, padding: float = 0.0, seed: int = 0) -> tuple[np.n
 
 
 def init_params(cfg: StackConfig, shape: Shape, seed: int = 0) -> Any:
-    """Plain per-layer float32 params (layers_0 .. layers_{K-1}); `params_for` adapts them to a config."""
+    """Plain per-layer float32 params (layers_0, layers_1, ... one per layer); `params_for` adapts them to a config."""
     flat = cfg.model_copy(update={"scan_layers": False})
     x = jnp.zeros((1, min(shape.length, 8), shape.d), jnp.float32)
     variables = jaxblock.EncoderStack(flat).init(jax.random.key(seed), x, jnp.ones(x.shape[:2], bool))
@@ -85,7 +86,7 @@ def init_params(cfg: StackConfig, shape: Shape, seed: int = 0) -> Any:
 
 
 def params_for(cfg: StackConfig, params: Any) -> Any:
-    """The same weights in the layout this config's module expects (stacked on a [K] axis for scan)."""
+    """The same weights in the layout this config's module expects (stacked on a leading layers axis for scan)."""
     return stack_layer_params(params) if cfg.scan_layers else params
 
 

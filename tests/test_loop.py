@@ -160,6 +160,19 @@ def test_halt_report_names_the_block_sublayer_or_the_bad_tokens(plan):
                      loop.locate_nonfinite(plan.config, params, poisoned))
 
 
+def test_periodic_actions_fire_every_n_steps_at_the_end_and_on_a_stop():
+    fired: list[tuple[str, int]] = []
+    actions = [loop.Every(3, lambda _, done: fired.append(("log", done)), on_stop=True),
+               loop.Every(4, lambda _, done: fired.append(("diag", done)), at_end=False),
+               loop.Every(None, lambda _, done: fired.append(("never", done)), at_end=False)]
+    for done in range(1, 8):
+        for action in actions:
+            action(None, done, last=done == 10, stopping=done == 7)
+    for action in actions:
+        action(None, 10, last=True, stopping=False)
+    assert fired == [("log", 3), ("diag", 4), ("log", 6), ("log", 7), ("log", 10)]
+
+
 def test_metrics_log_truncates_and_never_duplicates(tmp_path):
     log = MetricsLog(tmp_path, 0)
     for step in range(1, 7):
@@ -198,6 +211,8 @@ def test_run_writes_config_metadata_curves_and_summary(reference):
             "grad_norm/params/layer_1"} <= set(diag)
     assert 0 < diag["residual_ratio/ffn/layer_0"] < 10 and diag["grad_norm/params/layer_1"] > 0
     assert [r["step"] for r in read_jsonl(w / "metrics.jsonl") if r["split"] == "train"] == list(range(1, 11))
+    first = next(r for r in records if r["split"] == "train")
+    assert list(first) == ["step", "split", "loss", "accuracy", "grad_norm", "lr", "tokens_per_s", "nonfinite_total"]
     assert (w / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert sorted(int(p.name) for p in (w / "checkpoints").iterdir()) == [5, 10]
     assert "best validation accuracy" in run.summary_line(summary)

@@ -223,7 +223,8 @@ class Trainer:
         tcfg = self.cfg.train
         for step, metrics in zip(steps, fetched, strict=True):
             m = {k: _host(v) for k, v in metrics.items()}
-            averaged = [k for k in m if k not in _COUNTERS]  # the task's metrics (loss first), grad_norm
+            # The task's metrics (loss first), then grad_norm; fetched dicts come back with sorted keys.
+            averaged = sorted((k for k in m if k not in _COUNTERS), key=lambda k: (k != "loss", k == "grad_norm", k))
             w = self.window
             if m["finite"]:
                 for key in averaged:
