@@ -5,7 +5,7 @@ peak   jitted [S, S] x [S, S] matmuls (S = 1024, 2048, 4096; bf16 too where the 
        beside it, so a ratio against PyTorch can be read against what each library gets from the chip.
        On a shared machine the peak moves with the load, so every later step is timed interleaved with
        the 2048² matmul (8192² on a GPU) and `fraction_of_peak` divides by that probe's FLOP/s.
-train  one optimizer step of the K-layer stack at each benchmark shape, both placements: ours,
+train  one optimizer step of the layer stack at each benchmark shape, both placements: ours,
        PyTorch eager and torch.compile (where it compiles), interleaved on the same weights and batch.
 infer  eval-mode forward on a batch with 25% padding: ours vs PyTorch's fast path (inference_mode,
        a key padding mask, nested tensors where PyTorch allows them: Post-LN only).

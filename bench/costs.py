@@ -1,4 +1,5 @@
-"""How cost grows: step time and peak memory vs length L, width D and depth K; compile time vs K.
+"""How cost grows: step time and peak memory vs length L, width D and the number of layers; compile time
+vs the number of layers (records name it K, as the benchmark tables do).
 
 length  L = 128 ... 4096 for one sequence (N=1), K=2: projections, FFN and activations grow as L,
         attention's FLOPs and its [L, L] scores as L². Four attention/memory settings: XLA attention,
@@ -6,8 +7,8 @@ length  L = 128 ... 4096 for one sequence (N=1), K=2: projections, FFN and activ
         layers), and on a GPU 'auto' (cuDNN).
         On a CPU, 'auto' itself picks chunked from L = 4 * attn_chunk_size = 2048 on.
 width   D = 128 ... 1024 (H = D/64, F = 4D) at N=8, L=128, K=2.
-depth   K = 1 ... 8 at the first benchmark shape.
-compile time to trace and compile the training step vs K, with and without scan over layers.
+depth   1 ... 8 layers at the first benchmark shape.
+compile time to trace and compile the training step vs the number of layers, with and without scan over layers.
 
 Memory is reported twice: XLA's static plan for the compiled step (`memory_analysis`: arguments +
 outputs + temporaries - donated) and this process's resident memory sampled while the step runs.

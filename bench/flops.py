@@ -32,7 +32,7 @@ def layer_forward_flops(block: BlockConfig, n: int, length: int) -> int:
 
 
 def forward_flops(stack: StackConfig, n: int, length: int) -> int:
-    """Matmul FLOPs of the K-layer stack's forward pass (inference)."""
+    """Matmul FLOPs of the layer stack's forward pass (inference)."""
     return stack.num_layers * layer_forward_flops(stack.block, n, length)
 
 

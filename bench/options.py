@@ -21,11 +21,11 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from flax.training.train_state import TrainState
 
 from bench.context import Context
 from bench.measure import Record, compiled_memory, peak_rss, time_interleaved
@@ -112,20 +112,14 @@ def _sentences(ctx: Context, count: int, max_len: int) -> tuple[list[np.ndarray]
         return rows, rng.integers(0, 2, count).astype(np.int32), 4000, "synthetic lengths (log-normal, median 20)"
 
 
-def _classifier_step(model: nn.Module, tx: Any, num_segments: int | None) -> Any:
-    from train.step import classification_loss
-
-    def loss_fn(p: Any, batch: dict[str, jax.Array], rng: jax.Array) -> jax.Array:
-        kw: dict[str, Any] = {"segment_ids": batch["segment_ids"], "num_segments": num_segments} if num_segments else {}
-        logits = model.apply({"params": p}, batch["tokens"], batch["valid_tokens"], train=True,
-                             rngs={"dropout": rng}, **kw)  # [N, C] or [N, S, C]
-        return classification_loss(logits.reshape(-1, logits.shape[-1]), batch["labels"].reshape(-1))[0]
+def _classifier_step() -> Any:
+    """The trainer's classification loss through its `gradient_step` (padded or packed batches alike)."""
+    from train.step import gradient_step, loss_fn_for
+    from train.tasks import CLASSIFICATION
 
     def step(state: Any, batch: dict[str, jax.Array], rng: jax.Array) -> tuple[Any, jax.Array]:
-        p, opt = state
-        loss, grads = jax.value_and_grad(loss_fn)(p, batch, rng)
-        updates, opt = tx.update(grads, opt, p)
-        return (optax.apply_updates(p, updates), opt), loss
+        state, loss, _, _ = gradient_step(state, loss_fn_for(CLASSIFICATION, state, batch, rng))
+        return state, loss
 
     return jax.jit(step, donate_argnums=(0,))
 
@@ -173,10 +167,10 @@ def packing(ctx: Context) -> list[Record]:
 
     def fresh_state() -> dict[str, Any]:
         p = jax.tree.map(jnp.array, params)
-        return {"state": (p, tx.init(p))}
+        return {"state": TrainState.create(apply_fn=model.apply, params=p, tx=tx)}
 
     pad_state, pack_state = fresh_state(), fresh_state()
-    pad_step, pack_step = _classifier_step(model, tx, None), _classifier_step(model, tx, segments)
+    pad_step = pack_step = _classifier_step()
     ctx.log(f"packing: {count} examples from {source}; {len(padded)} padded batches vs {len(packed)} packed")
     with peak_rss():
         times = time_interleaved({"padded (buckets)": lambda: epoch(pad_step, padded, pad_state),

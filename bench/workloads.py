@@ -1,7 +1,8 @@
 """The two implementations under test, built from one config and one set of weights.
 
-Ours: `jaxblock.EncoderStack` with a jitted training step (forward, backward, global-norm clipping at
-1.0, AdamW lr 1e-4 / weight decay 0.01 on every parameter, the optimizer state donated) and a jitted
+Ours: `jaxblock.EncoderStack` with a jitted training step (the trainer's `train.step.gradient_step`:
+forward, backward, global-norm clipping at 1.0, AdamW lr 1e-4 / weight decay 0.01 on every parameter,
+the state donated) and a jitted
 forward for inference. Theirs: `torch.nn.TransformerEncoder` built by `jaxblock.interop.torch.to_torch`
 from the very same parameters, trained eagerly (optionally through `torch.compile`) with the same
 loss, clipping and AdamW settings (PyTorch's fused AdamW kernel where its build has one: the
@@ -24,17 +25,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from flax.training.train_state import TrainState
 
 import jaxblock
 from jaxblock.config import BlockConfig, StackConfig
 from jaxblock.model import stack_layer_params
+from train.step import gradient_step
 
 LR, WEIGHT_DECAY, CLIP = 1e-4, 0.01, 1.0
 
 
 @dataclass(frozen=True)
 class Shape:
-    """One benchmark shape: batch N, length L, width D, heads H, FFN width F, layers K."""
+    """One benchmark shape: batch N, length L, width D, heads H, FFN width F, and `k` layers (the tables'
+    column K; a name the benchmarks keep for their records, not the head width of jaxblock's docstrings)."""
 
     n: int
     length: int
@@ -74,7 +78,7 @@ def make_inputs(shape: Shape, padding: float = 0.0, seed: int = 0) -> tuple[np.n
 
 
 def init_params(cfg: StackConfig, shape: Shape, seed: int = 0) -> Any:
-    """Plain per-layer float32 params (layers_0 .. layers_{K-1}); `params_for` adapts them to a config."""
+    """Plain per-layer float32 params (layers_0, layers_1, ... one per layer); `params_for` adapts them to a config."""
     flat = cfg.model_copy(update={"scan_layers": False})
     x = jnp.zeros((1, min(shape.length, 8), shape.d), jnp.float32)
     variables = jaxblock.EncoderStack(flat).init(jax.random.key(seed), x, jnp.ones(x.shape[:2], bool))
@@ -82,7 +86,7 @@ def init_params(cfg: StackConfig, shape: Shape, seed: int = 0) -> Any:
 
 
 def params_for(cfg: StackConfig, params: Any) -> Any:
-    """The same weights in the layout this config's module expects (stacked on a [K] axis for scan)."""
+    """The same weights in the layout this config's module expects (stacked on a leading layers axis for scan)."""
     return stack_layer_params(params) if cfg.scan_layers else params
 
 
@@ -96,20 +100,17 @@ class OursTrain:
     def __init__(self, cfg: StackConfig, params: Any, x: np.ndarray, valid: np.ndarray, *, donate: bool = True,
                  compiler_options: dict[str, Any] | None = None):
         model = jaxblock.EncoderStack(cfg)
-        tx = _optimizer()
 
-        def loss_fn(p: Any, x: jax.Array, valid: jax.Array) -> jax.Array:
-            y = cast(jax.Array, model.apply({"params": p}, x, valid, train=True))  # [N, L, D]
-            return jnp.mean(jnp.square(y.astype(jnp.float32)))
+        def step(state: TrainState, x: jax.Array, valid: jax.Array) -> tuple[TrainState, jax.Array]:
+            def loss_fn(p: Any) -> tuple[jax.Array, None]:
+                y = cast(jax.Array, state.apply_fn({"params": p}, x, valid, train=True))  # [N, L, D]
+                return jnp.mean(jnp.square(y.astype(jnp.float32))), None
 
-        def step(state: Any, x: jax.Array, valid: jax.Array) -> tuple[Any, jax.Array]:
-            p, opt = state
-            loss, grads = jax.value_and_grad(loss_fn)(p, x, valid)
-            updates, opt = tx.update(grads, opt, p)
-            return (optax.apply_updates(p, updates), opt), loss
+            state, loss, _, _ = gradient_step(state, loss_fn)
+            return state, loss
 
         p = jax.tree.map(jnp.array, params_for(cfg, params))  # a private copy: donation consumes it
-        self.state = (p, tx.init(p))
+        self.state = TrainState.create(apply_fn=model.apply, params=p, tx=_optimizer())
         self.x, self.valid = jnp.asarray(x), jnp.asarray(valid)
         start = time.perf_counter()
         self.lowered = jax.jit(step, donate_argnums=(0,) if donate else ()).lower(self.state, self.x, self.valid)

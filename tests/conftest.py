@@ -17,3 +17,46 @@ import jax
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
 jax.config.update("jax_default_matmul_precision", "highest")
+
+from collections.abc import Callable  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+import pytest  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "configs/tiny.yaml"
+# One step count and model for every tiny run: equal configs compile equal programs (the compilation
+# cache hits), and a run planned from `tiny()` continues the shared reference run exactly.
+STANDARD = ["parallel.strategy=single", "train.progress=false", "train.steps=10", "checkpoint.every=5",
+            "checkpoint.max_to_keep=5", "train.eval_every=5", "train.log_every=1", "train.diagnostics_every=5"]
+
+
+def tiny_config(*overrides: str) -> Any:
+    """configs/tiny.yaml with the STANDARD overrides, then `overrides`."""
+    from train.config import load_config
+
+    return load_config(TINY, [*STANDARD, *overrides])
+
+
+@pytest.fixture(scope="session")
+def tiny() -> Callable[..., Any]:
+    return tiny_config
+
+
+@pytest.fixture(scope="session")
+def tiny_plan() -> Any:
+    """A planned tiny run (validated, runner and batches built); nothing is ever written for it."""
+    from train import run
+
+    return run.plan_run(tiny_config(), Path("/tmp/jaxblock-plan-only-never-written"))
+
+
+@pytest.fixture(scope="session")
+def reference_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
+    """The one finished tiny run the tests share: 10 steps, diagnostics, validation and checkpoints at 5 and
+    10, then test. Read it, never write it: copy the workdir first (shutil.copytree) to resume or break it."""
+    from train import run
+
+    workdir = tmp_path_factory.mktemp("reference") / "run"
+    return workdir, run.train(tiny_config(), workdir)

@@ -54,7 +54,7 @@ def run(parallel: dict[str, Any], out: Path | None) -> dict[str, Any]:
     from jaxblock import Classifier
     from train import parallel as par
     from train.checkpoint import Checkpoints
-    from train.state import create_state, init_params
+    from train.state import abstract_init, create_state, init_params
 
     config = tiny_config(parallel)
     par.initialize_distributed(config.parallel)
@@ -63,7 +63,7 @@ def run(parallel: dict[str, Any], out: Path | None) -> dict[str, Any]:
     def make_state() -> Any:
         return create_state(model, init_params(model, 0, LENGTH), config.optim, STEPS)
 
-    runner = par.make_runner(config, jax.eval_shape(make_state))
+    runner = par.make_runner(config, jax.eval_shape(make_state), specs=abstract_init(model, 0, LENGTH)[1])
     state = runner.init_state(make_state)
     index, count = runner.data_share()
     per = BATCH // count

@@ -14,26 +14,17 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from train import loop
+from train import run
 from train.checkpoint import (
     CheckpointError,
     Checkpoints,
     check_compatible,
     latest_step,
     load_for_inference,
+    read_run_config,
 )
-from train.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-# One step count and model everywhere: equal configs compile equal programs (the compilation cache hits).
-STANDARD = ["parallel.strategy=single", "train.progress=false", "train.steps=10", "checkpoint.every=5",
-            "checkpoint.max_to_keep=5", "train.eval_every=5", "train.log_every=1"]
-
-
-def tiny(*overrides: str):
-    return load_config(ROOT / "configs/tiny.yaml", [*STANDARD, *overrides])
 
 
 def leaves_equal(a, b) -> None:
@@ -41,32 +32,58 @@ def leaves_equal(a, b) -> None:
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
-def trained_plan(tmp_path: Path, steps: int = 3):
-    plan = loop.plan_run(tiny(), tmp_path / "unused")
-    trainer = loop.Trainer(plan)
-    state = plan.initial_state()
-    for step in range(steps):
-        state, _ = plan.runner.train_step(state, trainer.batch(step), jax.random.fold_in(trainer.base_key, step))
-    return plan, state
+@pytest.fixture
+def trained_plan(tiny_plan):
+    """The shared tiny plan and its state after `steps` training steps."""
+
+    def train(steps: int = 3):
+        state, key = tiny_plan.initial_state(), jax.random.key(0)
+        for step in range(steps):
+            state, _ = tiny_plan.runner.train_step(state, tiny_plan.batches.batch(step), jax.random.fold_in(key, step))
+        return tiny_plan, state
+
+    return train
 
 
-def test_round_trip_is_exact_and_holds_step_seed_and_labels(tmp_path):
-    plan, state = trained_plan(tmp_path)
+def test_round_trip_is_exact_and_holds_step_seed_labels_and_data_state(trained_plan, tmp_path):
+    plan, state = trained_plan()
     ckpts = Checkpoints(tmp_path, plan.config.checkpoint)
-    assert ckpts.save(state, {"seed": 0, "label_names": ["no_match", "match"]})
+    data_state = {"position": 7, "shard": [1, 2]}  # what a streaming source would save
+    assert ckpts.save(state, {"seed": 0, "label_names": ["no_match", "match"], "data_state": data_state})
     ckpts.wait()
     restored, meta = ckpts.restore(3, state)
     ckpts.close()
-    assert meta == {"seed": 0, "label_names": ["no_match", "match"], "step": 3}
+    assert meta == {"seed": 0, "label_names": ["no_match", "match"], "data_state": data_state, "step": 3}
     assert int(restored.step) == 3
     leaves_equal(restored.params, state.params)
     leaves_equal(restored.opt_state, state.opt_state)  # Adam moments and the non-finite counters
     assert type(restored.opt_state) is type(state.opt_state)
 
 
-def test_keep_best_keeps_the_best_and_the_newest(tmp_path):
+def test_the_loop_saves_the_batch_source_state_with_each_checkpoint(reference_run):
+    workdir, _ = reference_run
+    ckpts = Checkpoints(workdir, read_run_config(workdir).checkpoint)
+    try:
+        for step in (5, 10):
+            _, meta = ckpts.restore(step, ckpts_target(workdir))
+            assert meta["step"] == step and meta["seed"] == 0 and meta["data_state"] is None  # in-memory source
+    finally:
+        ckpts.close()
+
+
+def ckpts_target(workdir: Path):
+    from train.state import create_state, init_params
+    from train.tasks import CLASSIFICATION
+
+    config = read_run_config(workdir)
+    model = CLASSIFICATION.build_model(config.model)
+    return jax.eval_shape(lambda: create_state(model, init_params(model, 0, 16), config.optim, config.train.steps))
+
+
+@pytest.mark.slow
+def test_keep_best_keeps_the_best_and_the_newest(tiny, tmp_path):
     cfg = tiny("train.eval_every=2", "checkpoint.every=2", "checkpoint.keep_best=true", "checkpoint.max_to_keep=1")
-    summary = loop.train_from_config(cfg, tmp_path)
+    summary = run.train(cfg, tmp_path)
     vals = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     by_step = {r["step"]: r["accuracy"] for r in vals if r["split"] == "val"}
     assert sorted(by_step) == [2, 4, 6, 8, 10]
@@ -77,17 +94,17 @@ def test_keep_best_keeps_the_best_and_the_newest(tmp_path):
     assert load_for_inference(tmp_path)[0].checkpoint.keep_best
 
 
-def test_shape_mismatch_names_the_parameter(tmp_path):
-    plan, state = trained_plan(tmp_path, steps=1)
+def test_shape_mismatch_names_the_parameter(trained_plan, tiny, tmp_path):
+    plan, state = trained_plan(steps=1)
     ckpts = Checkpoints(tmp_path, plan.config.checkpoint)
     ckpts.save(state, {"seed": 0, "label_names": []})
     ckpts.close()
-    other = loop.plan_run(tiny("model.block.ffn_dim=48"), tmp_path / "elsewhere")
+    other = run.plan_run(tiny("model.block.ffn_dim=48"), tmp_path / "elsewhere")
     with pytest.raises(CheckpointError) as err:
         check_compatible(tmp_path, 1, other.abstract.params)
     message = str(err.value)
     assert "parameter encoder/stack/layers_0/ffn/linear1/bias has shape (64,) in the checkpoint but (48,)" in message
-    deeper = loop.plan_run(tiny("model.num_layers=3"), tmp_path / "elsewhere")
+    deeper = run.plan_run(tiny("model.num_layers=3"), tmp_path / "elsewhere")
     with pytest.raises(CheckpointError, match=r"lacks parameter encoder/stack/layers_2/\S+ that the config has"):
         check_compatible(tmp_path, 1, deeper.abstract.params)
 
@@ -99,9 +116,9 @@ def test_load_for_inference_without_a_checkpoint_is_one_line(tmp_path):
         load_for_inference(tmp_path / "missing")
 
 
-def test_restore_onto_a_different_mesh(tmp_path):
+def test_restore_onto_a_different_mesh(trained_plan, tmp_path):
     """Saved with parameters sharded over 8 devices; restored onto one device and onto a 2x4 mesh."""
-    plan, state = trained_plan(tmp_path, steps=1)
+    plan, state = trained_plan(steps=1)
     devices = np.asarray(jax.devices()[:8])
     mesh8 = Mesh(devices, ("data",))
 

@@ -10,15 +10,18 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
+import numpy as np
 import pytest
+from conftest import STANDARD as FAST
 
 from train.__main__ import main
+from train.checkpoint import load_for_inference
+from train.data import encode_texts
+from train.tasks import CLASSIFICATION
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs/tiny.yaml")
-# One step count and model everywhere: equal configs compile equal programs (the compilation cache hits).
-FAST = ["parallel.strategy=single", "train.progress=false", "train.steps=10", "checkpoint.every=5",
-        "checkpoint.max_to_keep=5", "train.eval_every=5", "train.log_every=1"]
 
 
 def snapshot(directory: Path) -> dict[str, tuple[str, int]]:
@@ -31,11 +34,10 @@ def snapshot(directory: Path) -> dict[str, tuple[str, int]]:
     return out
 
 
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory) -> Path:
-    workdir = tmp_path_factory.mktemp("cli") / "run"
-    assert main(["--config", TINY, "--workdir", str(workdir), *FAST]) == 0
-    return workdir
+@pytest.fixture
+def trained(reference_run) -> Path:
+    """The shared finished tiny run (read only: the bad-input cases assert it stays unchanged)."""
+    return reference_run[0]
 
 
 @pytest.fixture
@@ -143,21 +145,33 @@ def test_schema_lists_every_key(capsys):
         assert key in table
 
 
-def test_evaluate_predict_and_rerun_of_a_finished_run(trained, capsys):
+def test_evaluate_predict_and_rerun_of_a_finished_run(reference_run, tmp_path, capsys):
+    trained, summary = tmp_path / "run", reference_run[1]
+    shutil.copytree(reference_run[0], trained)
     assert main(["evaluate", "--workdir", str(trained)]) == 0
     out = capsys.readouterr().out.splitlines()
     assert [line.split(":")[0] for line in out] == ["validation", "test"]
     assert out[0].endswith("(100 examples)")
-    assert main(["predict", "--workdir", str(trained), "3 5 7 3", "4 6 8"]) == 0
+    # The checkpoint evaluated is the one the run tested (the latest: the run keeps no best).
+    assert out[1].startswith(f"test: accuracy {summary['test_accuracy']:.4f} loss {summary['test_loss']:.4f}")
+
+    texts = ["3 5 7 3", "4 6 8"]
+    assert main(["predict", "--workdir", str(trained), *texts]) == 0
     rows = [line.split("\t") for line in capsys.readouterr().out.splitlines()]
-    assert [r[2] for r in rows] == ["3 5 7 3", "4 6 8"]
-    assert all(r[0] in ("no_match", "match") and 0.5 <= float(r[1]) <= 1.0 for r in rows)
+    # Recomputed here from the checkpoint: the softmax of the classifier's logits, argmax and its probability.
+    config, params, tokenizer, labels = load_for_inference(trained)
+    batch = encode_texts(tokenizer, texts, config.data.max_len, config.data.buckets)
+    logits = CLASSIFICATION.build_model(config.model).apply({"params": params}, batch["tokens"], batch["valid_tokens"])
+    probs = np.asarray(jax.nn.softmax(logits, axis=-1))
+    assert rows == [[labels[int(p.argmax())], f"{p.max():.4f}", t] for p, t in zip(probs, texts, strict=True)]
+
     before = snapshot(trained / "checkpoints")
     assert main(["--workdir", str(trained), *FAST]) == 0  # finished: re-reports, trains nothing
     assert "done: 10 steps (0 this session" in capsys.readouterr().out
     assert snapshot(trained / "checkpoints") == before
 
 
+@pytest.mark.slow
 def test_python_m_train_end_to_end(tmp_path):
     env = {**{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}, "JAX_PLATFORMS": "cpu"}
     done = subprocess.run([sys.executable, "-m", "train", "--config", TINY, "--workdir", str(tmp_path / "w"), *FAST],
@@ -168,6 +182,7 @@ def test_python_m_train_end_to_end(tmp_path):
     assert (tmp_path / "w/curves.png").is_file()
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("setpriv") is None and os.geteuid() == 0,
                     reason="as root, an unwritable directory needs setpriv to drop CAP_DAC_OVERRIDE")
 def test_unwritable_workdir(trained, tmp_path):

@@ -1,7 +1,7 @@
 """Faults: non-finite steps (skip vs halt), SIGTERM/SIGINT, kill -9 and a save killed halfway.
 
-The fast cases run the loop in this process (a real signal through the real handler; a poisoned batch
-through the real data path); the `slow` cases kill real `python -m train` processes.
+The in-process cases inject their fault through the batch source the loop is given (a poisoned batch, a
+real signal sent while a batch is prepared); the subprocess cases kill real `python -m train` processes.
 """
 
 from __future__ import annotations
@@ -20,28 +20,48 @@ import jax
 import numpy as np
 import pytest
 
-from train import data, loop
+from train import loop, run
+from train.batches import BatchSource
 from train.checkpoint import latest_step, load_for_inference
-from train.config import load_config
 from train.metrics import read_event_records, read_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-# One step count and model everywhere: equal configs compile equal programs (the compilation cache hits).
-STANDARD = ["parallel.strategy=single", "train.progress=false", "train.steps=10", "checkpoint.every=5",
-            "checkpoint.max_to_keep=5", "train.eval_every=5", "train.log_every=1"]
+class Faulty:
+    """A batch source that passes batches through, with a fault at one step: injected into the loop
+    the way any batch source is (`run.train(..., batches=...)`)."""
+
+    def __init__(self, source: BatchSource, step: int, fault, examples: bool = True):
+        self.source, self.step, self.fault, self.examples = source, step, fault, examples
+
+    def batch(self, step: int):
+        out = self.source.batch(step)
+        return self.fault(out) if step == self.step else out
+
+    def example_batch(self, step: int):
+        out = self.source.example_batch(step)
+        return self.fault(out) if step == self.step and self.examples else out
+
+    def eval_batches(self, split: str):
+        return self.source.eval_batches(split)
+
+    def state(self):
+        return self.source.state()
+
+    def restore(self, state) -> None:
+        self.source.restore(state)
 
 
-def tiny(*overrides: str):
-    return load_config(ROOT / "configs/tiny.yaml", [*STANDARD, *overrides])
+def out_of_vocabulary(batch):
+    """A token id past the vocabulary: its embedding lookup is NaN."""
+    batch = {**batch, "tokens": batch["tokens"].copy()}
+    batch["tokens"][0, 0] = 10_000
+    return batch
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> tuple[Path, dict]:
-    """A finished standard run: 10 steps, checkpoints at 5 and 10."""
-    workdir = tmp_path_factory.mktemp("reference") / "run"
-    return workdir, loop.train_from_config(tiny(), workdir)
+def poison(step: int):
+    return lambda source: Faulty(source, step, out_of_vocabulary)
 
 
 def same_params(a: Path, b: Path) -> None:
@@ -54,23 +74,8 @@ def finite(params) -> bool:
     return all(bool(np.all(np.isfinite(np.asarray(x)))) for x in jax.tree.leaves(params))
 
 
-def poison_step(monkeypatch, bad_step: int) -> None:
-    """The batch of `bad_step` holds a token id past the vocabulary: its embedding lookup is NaN."""
-    real = data.train_batch
-
-    def batch(split, **kwargs):
-        out = real(split, **kwargs)
-        if kwargs["step"] == bad_step:
-            out = {**out, "tokens": out["tokens"].copy()}
-            out["tokens"][0, 0] = 10_000
-        return out
-
-    monkeypatch.setattr(data, "train_batch", batch)
-
-
-def test_nan_skip_counts_the_skip_and_keeps_training(tmp_path, monkeypatch):
-    poison_step(monkeypatch, 3)  # the 4th step
-    summary = loop.train_from_config(tiny(), tmp_path)
+def test_nan_skip_counts_the_skip_and_keeps_training(tiny, tmp_path):
+    summary = run.train(tiny(), tmp_path, batches=poison(3))  # the 4th step
     train = {r["step"]: r for r in read_jsonl(tmp_path / "metrics.jsonl") if r["split"] == "train"}
     assert [train[s]["nonfinite_total"] for s in range(1, 11)] == [0, 0, 0, 1, 1, 1, 1, 1, 1, 1]
     assert train[4]["loss"] == "nan" and all(np.isfinite(train[s]["loss"]) for s in (3, 5, 10))
@@ -78,10 +83,10 @@ def test_nan_skip_counts_the_skip_and_keeps_training(tmp_path, monkeypatch):
     assert finite(load_for_inference(tmp_path)[1])
 
 
-def test_nan_halt_names_the_cause_and_keeps_the_newest_checkpoint_finite(tmp_path, monkeypatch):
-    poison_step(monkeypatch, 4)  # the 5th step
+@pytest.mark.slow
+def test_nan_halt_names_the_cause_and_keeps_the_newest_checkpoint_finite(tiny, tmp_path):
     with pytest.raises(loop.HaltError) as err:
-        loop.train_from_config(tiny("train.nonfinite=halt", "checkpoint.every=1"), tmp_path)
+        run.train(tiny("train.nonfinite=halt", "checkpoint.every=1"), tmp_path, batches=poison(4))  # the 5th step
     message = str(err.value)
     assert "\n" not in message
     assert message.startswith("halted at step 5: non-finite loss or gradients (train.nonfinite=halt)")
@@ -92,12 +97,13 @@ def test_nan_halt_names_the_cause_and_keeps_the_newest_checkpoint_finite(tmp_pat
     assert finite(load_for_inference(tmp_path)[1])
 
 
-def test_huge_learning_rate_halts_naming_a_block_sublayer(reference, tmp_path):
-    shutil.copytree(reference[0], tmp_path / "run")
+@pytest.mark.slow
+def test_huge_learning_rate_halts_naming_a_block_sublayer(reference_run, tiny, tmp_path):
+    shutil.copytree(reference_run[0], tmp_path / "run")
     cfg = tiny("train.steps=20", "checkpoint.every=1", "optim.lr=1e30", "optim.warmup_steps=0",
                "optim.schedule=constant")
     with pytest.raises(loop.HaltError) as err:
-        loop.train_from_config(cfg, tmp_path / "run")  # resumes from step 10, then diverges
+        run.train(cfg, tmp_path / "run")  # resumes from step 10, then diverges
     message = str(err.value)
     assert re.search(r"first non-finite value in layer \d (norm|attention|FFN|residual add) "
                      r"\((norm1|attn_branch|after_attn|norm2|ffn_branch|after_ffn), \d+ values\); its input: ",
@@ -108,42 +114,44 @@ def test_huge_learning_rate_halts_naming_a_block_sublayer(reference, tmp_path):
     assert finite(load_for_inference(tmp_path / "run")[1])
 
 
-def test_sigterm_saves_the_current_step_and_the_rerun_continues_exactly(reference, tmp_path, monkeypatch):
+def signal_at(step: int):
+    """A source whose batch of `step` is requested while a real SIGTERM arrives at this process."""
+
+    def send(batch):
+        os.kill(os.getpid(), signal.SIGTERM)  # arrives while step `step + 1` is being prepared
+        return batch
+
+    return lambda source: Faulty(source, step, send, examples=False)
+
+
+@pytest.mark.slow
+def test_sigterm_saves_the_current_step_and_the_rerun_continues_exactly(reference_run, tiny, tmp_path):
     cfg = tiny("checkpoint.every=100")
-    real = data.train_batch
-
-    def batch(split, **kwargs):
-        if kwargs["step"] == 4:
-            os.kill(os.getpid(), signal.SIGTERM)  # arrives while step 5 is being prepared
-        return real(split, **kwargs)
-
-    monkeypatch.setattr(data, "train_batch", batch)
     before = signal.getsignal(signal.SIGTERM)
-    stopped = loop.train_from_config(cfg, tmp_path)
+    stopped = run.train(cfg, tmp_path, batches=signal_at(4))
     assert stopped["preempted"] and stopped["step"] == 5
     assert stopped["checkpoint"] == str((tmp_path / "checkpoints/5").absolute())
     assert latest_step(tmp_path) == 5
     assert signal.getsignal(signal.SIGTERM) is before  # the run's handler is gone with the run
-    monkeypatch.setattr(data, "train_batch", real)
-    rest = loop.train_from_config(cfg, tmp_path)
-    assert rest["session_steps"] == 5 and rest["test_accuracy"] == reference[1]["test_accuracy"]
-    same_params(reference[0], tmp_path)
+    rest = run.train(cfg, tmp_path)
+    assert rest["session_steps"] == 5 and rest["test_accuracy"] == reference_run[1]["test_accuracy"]
+    same_params(reference_run[0], tmp_path)
 
 
-def test_a_half_written_checkpoint_is_ignored(reference, tmp_path):
-    run = tmp_path / "run"
-    shutil.copytree(reference[0], run)
+def test_a_half_written_checkpoint_is_ignored(reference_run, tiny, tmp_path):
+    workdir = tmp_path / "run"
+    shutil.copytree(reference_run[0], workdir)
     # What a save killed halfway leaves: Orbax's temporary directory, never renamed to its step.
-    partial = run / "checkpoints/10.orbax-checkpoint-tmp-1234567"
-    (run / "checkpoints/10").rename(partial)
+    partial = workdir / "checkpoints/10.orbax-checkpoint-tmp-1234567"
+    (workdir / "checkpoints/10").rename(partial)
     shutil.rmtree(partial / "train")
     (partial / "commit_success.txt").unlink(missing_ok=True)
-    assert latest_step(run) == 5
-    assert loop.plan_run(tiny(), run).start_step == 5
-    summary = loop.train_from_config(tiny(), run)
-    assert summary["session_steps"] == 5 and latest_step(run) == 10
+    assert latest_step(workdir) == 5
+    assert run.plan_run(tiny(), workdir).start_step == 5
+    summary = run.train(tiny(), workdir)
+    assert summary["session_steps"] == 5 and latest_step(workdir) == 10
     assert not partial.exists()  # cleaned up once a manager opens the directory for writing
-    same_params(reference[0], run)
+    same_params(reference_run[0], workdir)
 
 
 # --- real processes ------------------------------------------------------------------------------

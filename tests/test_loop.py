@@ -1,8 +1,9 @@
 """The training loop and the pure step it drives: one compile, finite metrics, clipping, deterministic eval,
-overfitting a fixed batch, exact resume, the non-finite locator and the metrics files."""
+overfitting a fixed batch, exact resume, the non-finite locator, the periodic actions and the metrics files."""
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import shutil
@@ -15,36 +16,34 @@ import pytest
 import yaml
 
 from jaxblock.model import Classifier
-from train import data, loop
+from train import data, loop, run
+from train.batches import InMemoryBatches
 from train.checkpoint import load_for_inference
-from train.config import load_config
 from train.metrics import MetricsLog, read_event_records, read_jsonl
 from train.state import create_state, init_params
-from train.step import train_step
+from train.step import loss_fn_for
+from train.step import train_step as task_train_step
+from train.tasks import CLASSIFICATION
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-# One step count and model everywhere: equal configs compile equal programs (the compilation cache hits).
-STANDARD = ["parallel.strategy=single", "train.progress=false", "train.steps=10", "checkpoint.every=5",
-            "checkpoint.max_to_keep=5", "train.eval_every=5", "train.log_every=1", "train.diagnostics_every=5"]
 NOWHERE = Path("/tmp/jaxblock-plan-only-never-written")
+train_step = functools.partial(task_train_step, CLASSIFICATION)
 
 
-def tiny(*overrides: str):
-    return load_config(ROOT / "configs/tiny.yaml", [*STANDARD, *overrides])
+@pytest.fixture
+def plan(tiny_plan) -> run.Plan:
+    return tiny_plan
 
 
-@pytest.fixture(scope="module")
-def plan() -> loop.Plan:
-    return loop.plan_run(tiny(), NOWHERE)
+@pytest.fixture
+def reference(reference_run) -> tuple[Path, dict]:
+    return reference_run
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> tuple[Path, dict]:
-    """A finished standard run: 10 steps, checkpoints at 5 and 10."""
-    workdir = tmp_path_factory.mktemp("reference") / "run"
-    return workdir, loop.train_from_config(tiny(), workdir)
+def loss_and_grads(state, batch, rng):
+    """(mean loss, sums, gradients) of the classification loss at state.params."""
+    (loss, sums), grads = jax.value_and_grad(loss_fn_for(CLASSIFICATION, state, batch, rng), has_aux=True)(
+        state.params)
+    return loss, sums, grads
 
 
 def batch_of(split: data.Split, n: int, length: int) -> dict[str, np.ndarray]:
@@ -61,20 +60,19 @@ def test_step_compiles_once_across_steps(plan):
     jax.monitoring.register_event_duration_secs_listener(
         lambda event, _secs, **_: compiles.append(event) if "backend_compile" in event else None
     )
-    state, trainer = plan.initial_state(), loop.Trainer(plan)
+    state, key = plan.initial_state(), jax.random.key(0)
     for step in range(2):  # the first step compiles the step (and small helpers like fold_in)
-        state, _ = plan.runner.train_step(state, trainer.batch(step), jax.random.fold_in(trainer.base_key, step))
+        state, _ = plan.runner.train_step(state, plan.batches.batch(step), jax.random.fold_in(key, step))
     before = len(compiles)
     for step in range(2, 7):
-        state, metrics = plan.runner.train_step(state, trainer.batch(step), jax.random.fold_in(trainer.base_key, step))
+        state, metrics = plan.runner.train_step(state, plan.batches.batch(step), jax.random.fold_in(key, step))
     jax.block_until_ready(metrics)
     assert len(compiles) == before, compiles[before:]
     assert int(jax.device_get(state.step)) == 7
 
 
 def test_metrics_are_finite_and_complete(plan):
-    trainer = loop.Trainer(plan)
-    _, metrics = plan.runner.train_step(plan.initial_state(), trainer.batch(0), trainer.base_key)
+    _, metrics = plan.runner.train_step(plan.initial_state(), plan.batches.batch(0), jax.random.key(0))
     m = jax.device_get(metrics)
     assert set(m) >= {"loss", "accuracy", "grad_norm", "lr", "finite", "nonfinite_consecutive", "tokens"}
     for key in ("loss", "accuracy", "grad_norm", "lr"):
@@ -84,10 +82,10 @@ def test_metrics_are_finite_and_complete(plan):
     assert int(m["tokens"]) == 32 * 16  # synthetic rows are all full length
 
 
-def test_clipping_bounds_the_update_norm():
+def test_clipping_bounds_the_update_norm(tiny):
     cfg = tiny("optim.optimizer=sgd", "optim.lr=1.0", "optim.schedule=constant", "optim.warmup_steps=0",
                "optim.clip_norm=0.01")
-    sgd = loop.plan_run(cfg, NOWHERE)
+    sgd = run.plan_run(cfg, NOWHERE)
     model = Classifier(sgd.config.model)
     params = init_params(model, 0, 16)
     state = create_state(model, params, sgd.config.optim, 10)
@@ -100,16 +98,18 @@ def test_clipping_bounds_the_update_norm():
 
 def test_eval_is_deterministic_and_batch_size_free(plan):
     state = plan.initial_state()
-    first = loop.evaluate(plan.runner, state, plan.dataset.validation, plan.config)
-    again = loop.evaluate(plan.runner, state, plan.dataset.validation, plan.config)
+    first = loop.evaluate(CLASSIFICATION, plan.runner, state, plan.batches, "validation")
+    again = loop.evaluate(CLASSIFICATION, plan.runner, state, plan.batches, "validation", sync_every=1)
     assert first == again
+    assert list(first) == ["loss", "accuracy", "examples"]
     assert first["examples"] == len(plan.dataset.validation) == 100
     other = plan.config.model_copy(update={"train": plan.config.train.model_copy(update={"batch_size": 7})})
-    regrouped = loop.evaluate(plan.runner, state, plan.dataset.validation, other)
+    regrouped = loop.evaluate(CLASSIFICATION, plan.runner, state, InMemoryBatches(plan.dataset, other), "validation")
     assert regrouped["accuracy"] == first["accuracy"]
     assert regrouped["loss"] == pytest.approx(first["loss"], rel=1e-5)
 
 
+@pytest.mark.slow
 def test_overfits_four_fixed_examples(plan):
     cfg = plan.config
     assert cfg.model.block.residual_dropout == cfg.model.block.ffn_dropout == cfg.model.embed_dropout == 0.0
@@ -124,15 +124,15 @@ def test_overfits_four_fixed_examples(plan):
     assert float(metrics["accuracy"]) == 1.0
 
 
-def test_resume_after_a_lost_tail_matches_uninterrupted_bitwise(reference, tmp_path):
+def test_resume_after_a_lost_tail_matches_uninterrupted_bitwise(reference, tiny, tmp_path):
     """A run killed after its step-5 checkpoint: the step-10 one never landed, its logs ran ahead."""
     whole_dir, whole = reference
     cut = tmp_path / "cut"
     shutil.copytree(whole_dir, cut)
     shutil.rmtree(cut / "checkpoints/10")
     (cut / "summary.json").unlink()
-    assert loop.plan_run(tiny(), cut).start_step == 5
-    rest = loop.train_from_config(tiny(), cut)
+    assert run.plan_run(tiny(), cut).start_step == 5
+    rest = run.train(tiny(), cut)
     assert rest["session_steps"] == 5
     for x, y in zip(jax.tree.leaves(load_for_inference(whole_dir)[1]), jax.tree.leaves(load_for_inference(cut)[1]),
                     strict=True):
@@ -160,6 +160,19 @@ def test_halt_report_names_the_block_sublayer_or_the_bad_tokens(plan):
                      loop.locate_nonfinite(plan.config, params, poisoned))
 
 
+def test_periodic_actions_fire_every_n_steps_at_the_end_and_on_a_stop():
+    fired: list[tuple[str, int]] = []
+    actions = [loop.Every(3, lambda _, done: fired.append(("log", done)), on_stop=True),
+               loop.Every(4, lambda _, done: fired.append(("diag", done)), at_end=False),
+               loop.Every(None, lambda _, done: fired.append(("never", done)), at_end=False)]
+    for done in range(1, 8):
+        for action in actions:
+            action(None, done, last=done == 10, stopping=done == 7)
+    for action in actions:
+        action(None, 10, last=True, stopping=False)
+    assert fired == [("log", 3), ("diag", 4), ("log", 6), ("log", 7), ("log", 10)]
+
+
 def test_metrics_log_truncates_and_never_duplicates(tmp_path):
     log = MetricsLog(tmp_path, 0)
     for step in range(1, 7):
@@ -184,9 +197,9 @@ def test_run_writes_config_metadata_curves_and_summary(reference):
     w, summary = reference
     assert {p.name for p in w.iterdir()} >= {"config.yaml", "run.json", "tokenizer", "checkpoints",
                                              "metrics.jsonl", "tb", "curves.png", "summary.json"}
-    run = json.loads((w / "run.json").read_text())
-    assert run["sessions"][0]["versions"]["jax"] == jax.__version__
-    assert run["label_names"] == ["no_match", "match"]
+    record = json.loads((w / "run.json").read_text())
+    assert record["sessions"][0]["versions"]["jax"] == jax.__version__
+    assert record["label_names"] == ["no_match", "match"]
     resolved = yaml.safe_load((w / "config.yaml").read_text())
     assert resolved["model"]["vocab_size"] == 18 and resolved["model"]["num_classes"] == 2  # from the data
     assert json.loads((w / "summary.json").read_text()) == summary
@@ -198,9 +211,11 @@ def test_run_writes_config_metadata_curves_and_summary(reference):
             "grad_norm/params/layer_1"} <= set(diag)
     assert 0 < diag["residual_ratio/ffn/layer_0"] < 10 and diag["grad_norm/params/layer_1"] > 0
     assert [r["step"] for r in read_jsonl(w / "metrics.jsonl") if r["split"] == "train"] == list(range(1, 11))
+    first = next(r for r in records if r["split"] == "train")
+    assert list(first) == ["step", "split", "loss", "accuracy", "grad_norm", "lr", "tokens_per_s", "nonfinite_total"]
     assert (w / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert sorted(int(p.name) for p in (w / "checkpoints").iterdir()) == [5, 10]
-    assert "best validation accuracy" in loop.summary_line(summary)
+    assert "best validation accuracy" in run.summary_line(summary)
     assert np.isfinite(summary["test_loss"])
 
 
@@ -208,8 +223,6 @@ def test_packed_batch_gives_the_padded_batch_loss_and_gradients(plan):
     """data.packing: the same examples packed several to a row (segment_ids) give the loss, counts and
     gradients of the padded batch: attention stays inside each example, positions restart, pooling is
     per segment, and the empty slots and rows count nowhere."""
-    from train.step import loss_and_grads
-
     rng = np.random.default_rng(0)
     rows = [rng.integers(1, 18, n).astype(np.int32) for n in rng.integers(2, 13, 16)]
     labels = rng.integers(0, 2, 16).astype(np.int32)
@@ -236,10 +249,21 @@ def test_packed_batch_gives_the_padded_batch_loss_and_gradients(plan):
     assert abs(float(jax.jit(loss_and_grads)(state, mixed, None)[0]) - float(a_loss)) > 1e-4
 
 
-def test_packing_run_trains_through_the_loop(tmp_path):
-    packing = ("data.packing=true", "data.pack_segments=2", "data.buckets=[16,32]", "model.max_len=32")
-    summary = loop.train_from_config(tiny(*packing), tmp_path)
+PACKING = ("data.packing=true", "data.pack_segments=2", "data.buckets=[16,32]", "model.max_len=32")
+
+
+def test_packing_source_packs_training_batches_but_not_the_example_batch(plan, tiny):
+    batches = InMemoryBatches(plan.dataset, tiny(*PACKING))
+    packed = batches.batch(0)
+    assert packed["labels"].shape[1] == 2 and packed["tokens"].shape[1] == 32
+    assert int((packed["labels"] >= 0).sum()) == 32  # the whole batch of examples, two to a row
+    padded = batches.example_batch(0)  # what the diagnostics take: the same examples, one to a row
+    assert padded["labels"].shape == (32,) and "segment_ids" not in padded
+    assert sorted(padded["labels"].tolist()) == sorted(packed["labels"][packed["labels"] >= 0].tolist())
+    assert batches.state() is None
+
+
+@pytest.mark.slow
+def test_packing_run_trains_through_the_loop(tiny, tmp_path):
+    summary = run.train(tiny(*PACKING), tmp_path)
     assert summary["steps"] == 10 and np.isfinite(summary["test_accuracy"])
-    trainer_batch = loop.Trainer(loop.plan_run(tiny(*packing), NOWHERE)).batch(0)
-    assert trainer_batch["labels"].shape[1] == 2 and trainer_batch["tokens"].shape[1] == 32
-    assert int((trainer_batch["labels"] >= 0).sum()) == 32  # the whole batch of examples, two to a row

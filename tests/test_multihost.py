@@ -57,6 +57,7 @@ def run_processes(commands: list[list[str]], env: dict[str, str], cwd: Path) -> 
     return outputs
 
 
+@pytest.mark.slow
 def test_two_processes_match_one_process_and_their_checkpoint_restores_in_one(tmp_path: Path) -> None:
     port = free_port()
     commands = [[sys.executable, str(DRIVER), "--port", str(port), "--num-processes", "2", "--process-id", str(i),

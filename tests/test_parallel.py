@@ -24,9 +24,8 @@ from train.parallel import (
     is_primary,
     make_runner,
     mesh_shape,
-    param_logical_specs,
 )
-from train.state import TrainState, create_state, init_params
+from train.state import TrainState, abstract_init, create_state, init_params
 
 STEPS = 5
 BATCH = 16
@@ -64,6 +63,15 @@ def host_state(config: Config) -> TrainState:
     return create_state(model, params, config.optim, config.train.steps)
 
 
+def logical_specs(config: Config) -> Any:
+    """The params' logical PartitionSpecs from the one abstract init, as the run module takes them."""
+    return abstract_init(Classifier(config.model), 0, LENGTH)[1]
+
+
+def runner_for(config: Config, state: Any) -> Any:
+    return make_runner(config, state, specs=logical_specs(config))
+
+
 @functools.cache
 def initial_state(optim: str) -> TrainState:
     """The shared starting point, as host arrays (built once, compiled: eager init is slow on CPU)."""
@@ -89,7 +97,7 @@ def host(tree: Any) -> Any:
 def run(layout: str, optim: str) -> dict[str, Any]:
     """STEPS steps from initial_state: per-step losses and params, the runner and the final state."""
     config = make_config(LAYOUTS.get(layout, {"strategy": "single"}), optim)
-    runner = make_runner(config, initial_state(optim))
+    runner = runner_for(config, initial_state(optim))
     state = runner.place_state(initial_state(optim))
     losses, params = [], [initial_state(optim).params]
     for step in range(STEPS):
@@ -109,7 +117,9 @@ def applied_grads(params: list[Any]) -> list[Any]:
     return [jax.tree.map(lambda x, y: (x - y) / lr, before, after) for before, after in itertools.pairwise(params)]
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize(
+    "layout", ["pmap", "dp8", "fsdp8", pytest.param("tp2_dp4", marks=pytest.mark.slow)]  # TP layout: below
+)
 def test_sgd_losses_grads_and_params_match_single_device(layout: str) -> None:
     ref, got = run("single", "sgd"), run(layout, "sgd")
     assert got["runner"].strategy == LAYOUTS[layout]["strategy"]
@@ -123,7 +133,7 @@ def test_sgd_losses_grads_and_params_match_single_device(layout: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "layout", ["fsdp8", pytest.param("pmap", marks=pytest.mark.slow), pytest.param("tp2_dp4", marks=pytest.mark.slow)]
+    "layout", [pytest.param(name, marks=pytest.mark.slow) for name in ("fsdp8", "pmap", "tp2_dp4")]
 )
 def test_adamw_params_match_single_device(layout: str) -> None:
     """Adam divides each update by sqrt(v), so a gradient made only of rounding noise becomes a step
@@ -197,7 +207,7 @@ def test_tensor_parallel_splits_heads_and_ffn_width() -> None:
 def test_undividable_dim_is_replicated_and_named() -> None:
     # 33 tokens cannot split over tensor=2: the vocab dim of the embedding is replicated, not refused.
     config = make_config({"strategy": "sharded", "mesh": {"data": 4, "tensor": 2}}, vocab_size=33)
-    runner = make_runner(config, jax.eval_shape(lambda: host_state(config)))
+    runner = runner_for(config, jax.eval_shape(lambda: host_state(config)))
     assert isinstance(runner, ShardedRunner)
     assert runner.replicated_dims == ["['encoder']['embedding'] dim 0 (33) over tensor (2)"]
     spec = runner.state_sharding.params["encoder"]["embedding"].spec
@@ -206,7 +216,7 @@ def test_undividable_dim_is_replicated_and_named() -> None:
 
 def test_sharded_init_equals_host_init_then_place() -> None:
     config = make_config(LAYOUTS["fsdp8"])
-    runner = make_runner(config, jax.eval_shape(lambda: host_state(config)))
+    runner = runner_for(config, jax.eval_shape(lambda: host_state(config)))
     direct = runner.init_state(lambda: host_state(config))
     placed = runner.place_state(initial_state("sgd"))
     for a, b in zip(jax.tree.leaves(direct), jax.tree.leaves(placed), strict=True):
@@ -222,7 +232,7 @@ def test_sharded_dropout_is_layout_invariant() -> None:
     for name, parallel in {"single": {"strategy": "single"}, "dp8": LAYOUTS["dp8"]}.items():
         config = make_config(parallel, block={"ffn_dropout": 0.3, "residual_dropout": 0.2})
         state = initial_state("sgd").replace(apply_fn=Classifier(config.model).apply)
-        runner = make_runner(config, state)
+        runner = runner_for(config, state)
         _, metrics = runner.train_step(runner.place_state(state), make_batch(0), jax.random.key(3))
         losses[name] = float(metrics["loss"])
     no_dropout = run("single", "sgd")["losses"][0]  # same init, same batch
@@ -249,7 +259,7 @@ def test_layout_errors_are_one_line_and_name_the_fix() -> None:
         update={"train": make_config({}).train.model_copy(update={"batch_size": 12})}
     )
     with pytest.raises(ConfigError, match=r"train.batch_size=12 .* use a multiple of 8") as err:
-        make_runner(bad_batch, jax.eval_shape(lambda: host_state(bad_batch)))
+        runner_for(bad_batch, jax.eval_shape(lambda: host_state(bad_batch)))
     assert "\n" not in str(err.value)
     with pytest.raises(ConfigError, match="unknown mesh axes"):
         make_config({"rules": [["embed", "model"]]})
@@ -278,18 +288,20 @@ def test_distributed_init_is_a_no_op_for_one_process_and_fails_in_one_line() -> 
 
 def test_logical_specs_cover_every_param() -> None:
     config = make_config({}, block={"activation": "swiglu", "num_kv_heads": 2})
-    specs = param_logical_specs(config)
+    specs = logical_specs(config)
     params = jax.eval_shape(lambda: host_state(config)).params
     spec_tree: Any = jax.tree.structure(specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
     assert spec_tree == jax.tree.structure(params)
     gate = specs["encoder"]["stack"]["layers_0"]["ffn"]["gate"]["kernel"]
     assert gate == PartitionSpec("embed", "mlp")
+    with pytest.raises(ValueError, match="logical specs"):  # sharding needs them; nothing re-derives them
+        make_runner(make_config(LAYOUTS["fsdp8"]), jax.eval_shape(lambda: host_state(config)))
 
 
 def _long_run(steps: int, sync_every: int) -> tuple[float, list[float]]:
     config = make_config({"strategy": "sharded", "mesh": {"data": 2, "fsdp": 2, "tensor": 2}}, "adamw")
     config = config.model_copy(update={"train": config.train.model_copy(update={"steps": steps})})
-    runner = make_runner(config, jax.eval_shape(lambda: host_state(config)))
+    runner = runner_for(config, jax.eval_shape(lambda: host_state(config)))
     state = runner.init_state(lambda: host_state(config))
     start, losses = time.perf_counter(), []
     metrics: dict[str, Any] = {}

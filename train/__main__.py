@@ -17,7 +17,7 @@ import argparse
 import importlib
 import sys
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import NoReturn
 
 USAGE_EXIT = 2
 HALT_EXIT = 1
@@ -84,38 +84,28 @@ def _quiet_libraries() -> None:
 
 def cmd_train(argv: list[str]) -> int:
     args = _train_parser().parse_intermixed_args(argv)  # overrides before or after the flags
-    from train import loop
+    from train import run
+    from train.parallel import is_primary
 
-    config = loop.config_for_workdir(args.config, args.overrides, Path(args.workdir))
-    from train.parallel import initialize_distributed, is_primary
-
-    initialize_distributed(config.parallel)  # multi-host: before anything touches a device
-    summary = loop.train_from_config(config, Path(args.workdir))
+    workdir = Path(args.workdir)
+    summary = run.train(run.config_for_workdir(args.config, args.overrides, workdir), workdir)
     if not is_primary():  # one process speaks for a multi-host run
         return 0
     if summary.get("preempted"):
         print(f"stopped by signal at step {summary['step']}: checkpoint saved to {summary['checkpoint']}; "
               "rerun the same command to continue")
     else:
-        print(loop.summary_line(summary))
+        print(run.summary_line(summary))
     return 0
 
 
 def cmd_evaluate(argv: list[str]) -> int:
     args = _evaluate_parser().parse_args(argv)
-    from jaxblock.model import Classifier
-    from train import data, loop
-    from train.checkpoint import TOKENIZER_DIR, inference_state, load_for_inference
-    from train.parallel import make_runner
+    from train.inference import TrainedRun
 
-    workdir = Path(args.workdir)
-    config, params, _, _ = load_for_inference(workdir, args.step)
-    config = config.model_copy(update={"parallel": config.parallel.model_copy(update={"strategy": "single"})})
-    dataset = data.load_dataset(config.data, tokenizer_dir=workdir / TOKENIZER_DIR)
-    state = inference_state(Classifier(config.model), params)
-    runner = make_runner(config, state)
+    trained = TrainedRun.load(args.workdir, args.step)
     for name in args.split:
-        result = loop.evaluate(runner, state, getattr(dataset, name), config)
+        result = trained.evaluate(name)
         print(f"{name}: accuracy {result['accuracy']:.4f} loss {result['loss']:.4f} "
               f"({int(result['examples'])} examples)")
     return 0
@@ -123,20 +113,11 @@ def cmd_evaluate(argv: list[str]) -> int:
 
 def cmd_predict(argv: list[str]) -> int:
     args = _predict_parser().parse_args(argv)
-    import jax
-    import numpy as np
+    from train.inference import TrainedRun
 
-    from jaxblock.model import Classifier
-    from train import data
-    from train.checkpoint import load_for_inference
-
-    config, params, tokenizer, label_names = load_for_inference(Path(args.workdir), args.step)
-    batch = data.encode_texts(tokenizer, args.texts, config.data.max_len, config.data.buckets)
-    logits: Any = Classifier(config.model).apply({"params": params}, batch["tokens"], batch["valid_tokens"])
-    probs = np.asarray(jax.nn.softmax(logits, axis=-1))  # [N, C]
-    for text, p in zip(args.texts, probs, strict=True):
-        k = int(np.argmax(p))
-        print(f"{label_names[k]}\t{p[k]:.4f}\t{text}")
+    predictions = TrainedRun.load(args.workdir, args.step).predict(args.texts)
+    for text, prediction in zip(args.texts, predictions, strict=True):
+        print(f"{prediction.label}\t{prediction.probability:.4f}\t{text}")
     return 0
 
 
@@ -174,7 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     _quiet_libraries()
     from train.checkpoint import CheckpointError
     from train.config import ConfigError
-    from train.loop import HaltError, WorkdirError
+    from train.loop import HaltError
+    from train.run import WorkdirError
     from train.sources import DataError
 
     try:

@@ -3,10 +3,11 @@
 A checkpoint step directory holds three items:
 - `params`: the model parameters;
 - `train`: optimizer state and the step counter;
-- `meta` (JSON): step, the run seed and the label names.
+- `meta` (JSON): step, the run seed, the label names and the batch source's reading position
+  (`data_state`: None for the in-memory source, whose batch of step t is a pure function of (seed, t)).
 That is everything needed to continue exactly: the dropout key of step t is fold_in(key(seed), t) and the
-batch of step t is a pure function of (seed, t) (train/data.py), so the step *is* the data position and the
-RNG state; no iterator or key needs saving. Beside the checkpoints, the workdir holds the resolved config
+batch source restores its position from `data_state`, so no other iterator or key needs saving. Beside
+the checkpoints, the workdir holds the resolved config
 (`config.yaml`) and the tokenizer (`tokenizer/`), so `evaluate` and `predict` need nothing else.
 
 Orbax writes each save into a temporary directory and renames it when complete; a save killed halfway
@@ -16,9 +17,11 @@ the last complete checkpoint.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
+import flax.linen as nn
 import jax
 import numpy as np
 import optax
@@ -34,6 +37,17 @@ from train.tokenizer import Tokenizer, load_tokenizer
 CHECKPOINT_DIR = "checkpoints"
 CONFIG_FILE = "config.yaml"
 TOKENIZER_DIR = "tokenizer"
+
+
+class _ReadOnlyNotice(logging.Filter):
+    """Drops Orbax's "Given directory is read only" warning, which it logs for every read-only manager:
+    reading a run (resume checks, evaluate, predict, the inference API) is what we mean, not a problem."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Given directory is read only")
+
+
+logging.getLogger("absl").addFilter(_ReadOnlyNotice())
 
 
 class CheckpointError(ValueError):
@@ -80,8 +94,10 @@ def _best_fn(cfg: CheckpointConfig) -> Any:
 
 
 def _reader(directory: Path, cfg: CheckpointConfig | None = None) -> ocp.CheckpointManager:
+    # Read-only with the options it implies spelled out: Orbax overrides (and logs a warning for) any
+    # setting that would write, i.e. its defaults save_interval_steps=1 and create=True.
     options = ocp.CheckpointManagerOptions(
-        read_only=True, enable_async_checkpointing=False,
+        read_only=True, save_interval_steps=0, create=False, enable_async_checkpointing=False,
         best_fn=_best_fn(cfg) if cfg is not None else None, best_mode=cfg.best_mode if cfg is not None else "max",
     )
     return ocp.CheckpointManager(directory.absolute(), options=options, item_handlers=_handlers())
@@ -220,7 +236,7 @@ def load_for_inference(workdir: Path | str, step: int | None = None) -> tuple[Co
     return config, restored["params"], tokenizer, list(restored["meta"]["label_names"])
 
 
-def inference_state(model: Classifier, params: Any) -> TrainState:
+def inference_state(model: nn.Module, params: Any) -> TrainState:
     """A TrainState for `eval_step` that carries no optimizer state (evaluate/predict)."""
     return TrainState.create(apply_fn=model.apply, params=params, tx=optax.identity(), lr_schedule=lambda _: 0.0)
 

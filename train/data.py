@@ -1,14 +1,15 @@
 """Datasets, the fixed split, and batches: deterministic, resumable, padded to length buckets.
 
 Shape letters: N examples in a batch (rows), L padded length (a bucket), S segments per packed row.
-Batch dict (DESIGN.md): tokens int32[N, L], valid_tokens bool[N, L] (True = real token, real tokens
-first), labels int32[N] (label < 0 = a padding example that the loss ignores); packed rows add
-segment_ids int32[N, L] and labels become int32[N, S].
+Batch dict (the contract every step and diagnostic takes): tokens int32[N, L], valid_tokens bool[N, L]
+(True = real token, real tokens first), labels int32[N] (label < 0 = a padding example that the loss
+ignores); packed rows add segment_ids int32[N, L] and labels become int32[N, S].
 
 The order of training examples is a pure function of (seed, step): epoch e visits the split in the
 permutation drawn from (seed, e), and step t takes global positions [t*B, (t+1)*B) of that endless
 stream. A resumed run therefore sees exactly the batches it would have seen, with no iterator state to
-checkpoint, and each of P processes takes its contiguous share of the same global batch.
+checkpoint (train/batches.py wraps these functions as the loop's batch source), and each of P
+processes takes its contiguous share of the same global batch.
 """
 
 from __future__ import annotations

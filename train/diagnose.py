@@ -25,7 +25,7 @@ from jaxblock.model import Classifier
 from train.config import Config, ConfigError, load_config
 from train.sources import DataError
 from train.state import init_params
-from train.step import batch_loss
+from train.tasks import CLASSIFICATION
 
 USAGE_EXIT, FAILED_EXIT = 2, 1
 
@@ -86,7 +86,8 @@ def _load(args: argparse.Namespace) -> tuple[Config, Any, Path | None]:
 
 
 def _batch(config: Config, tokenizer_dir: Path | None, size: int, seed: int, random: bool) -> dict[str, Any]:
-    """A batch with DESIGN.md's keys: the config's validation data, or random tokens with ragged lengths."""
+    """A classification batch (tokens, valid_tokens, labels): the config's validation data, or random
+    tokens with ragged lengths."""
     if not random:
         from train import data
 
@@ -108,7 +109,7 @@ def diagnose(model: Any, variables: Any, batch: dict[str, Any], out: Path, *, ti
              residual_ratio_limit: float = 10.0) -> int:
     """Run every check on `model` (any class the diagnostics accept), write the report; the exit code."""
 
-    result = dg.run_all(model, variables, batch, batch_loss, residual_ratio_limit=residual_ratio_limit)
+    result = dg.run_all(model, variables, batch, CLASSIFICATION.loss, residual_ratio_limit=residual_ratio_limit)
     out.mkdir(parents=True, exist_ok=True)
     _plot_ratios(result.ratios, out / "residual_ratios.png")
     _plot_grads(result.grads, out / "grad_norms.png")

@@ -1,22 +1,25 @@
 """Where the step is compiled and data is placed: the only module that knows about devices and hosts.
 
-`make_runner(config, state)` returns a Runner for `parallel.strategy`:
+`make_runner(config, state, task=..., specs=...)` returns a Runner for `parallel.strategy`:
 - single:  jax.jit(train_step, donate_argnums=0) on one device.
 - pmap:    jax.pmap over every device: replicated state, one batch shard per device, the gradient
            reduced inside the step (`train.step.loss_and_grads`), a dropout key per device.
 - sharded: jax.jit with NamedSharding over a Mesh with axes (data, fsdp, tensor). Parameters are
-           placed by their logical axis names through `parallel.rules`; optimizer state follows its
+           placed by their logical axis names through `parallel.rules` (the logical specs come from the
+           run's one abstract init, train/state.py `abstract_init`); optimizer state follows its
            parameters; the batch is split over (data, fsdp). XLA inserts the collectives.
 
 Batches arrive as host numpy dicts holding this process's contiguous share of the global batch
 (`Runner.data_share()` says which share); the runner assembles the global array. `train.batch_size`
 is the global batch, so every layout computes the same numbers (tests/test_parallel.py).
-Multi-host: call `initialize_distributed(config.parallel)` before anything touches a device; every
-process then runs the same program, only `is_primary()` logs, and all processes save checkpoints.
+The runner also owns every gather to the host (`fetch`, `host_params`). Multi-host: the run module calls
+`initialize_distributed(config.parallel)` once, before anything touches a device; every process then
+runs the same program, only `is_primary()` logs, and all processes save checkpoints.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from collections.abc import Callable
@@ -24,15 +27,15 @@ from typing import Any, cast
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import numpy as np
-import optax
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
-from jaxblock import Classifier
-from train.config import MESH_AXES, Config, ConfigError, ParallelConfig
+from train.config import Config, ConfigError, ParallelConfig
+from train.layout import logical_rules, make_mesh, mesh_shape, param_shardings, state_shardings
 from train.state import TrainState
 from train.step import Metrics, eval_step, train_step
+from train.tasks import CLASSIFICATION, Task
 
 log = logging.getLogger(__name__)
 
@@ -62,82 +65,6 @@ def is_primary() -> bool:
     return jax.process_index() == 0
 
 
-# --- mesh and parameter layout -----------------------------------------------------------------------
-
-
-def mesh_shape(cfg: ParallelConfig, device_count: int) -> tuple[int, int, int]:
-    """(data, fsdp, tensor) with -1 resolved; the product must be the device count."""
-    sizes = [cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor]
-    fixed = math.prod(s for s in sizes if s != -1)
-    if -1 in sizes:
-        if device_count % fixed:
-            raise ConfigError(
-                f"parallel.mesh {dict(zip(MESH_AXES, sizes, strict=True))} does not divide {device_count} "
-                "devices: pick axis sizes whose product divides the device count"
-            )
-        sizes[sizes.index(-1)] = device_count // fixed
-    if math.prod(sizes) != device_count:
-        raise ConfigError(
-            f"parallel.mesh {dict(zip(MESH_AXES, sizes, strict=True))} needs {math.prod(sizes)} devices but "
-            f"{device_count} are present: make the product equal the device count or set one axis to -1"
-        )
-    return sizes[0], sizes[1], sizes[2]
-
-
-def make_mesh(cfg: ParallelConfig, devices: list[Any] | None = None) -> Mesh:
-    devices = devices or jax.devices()
-    shape = mesh_shape(cfg, len(devices))
-    return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * 3, devices=devices)
-
-
-def logical_rules(cfg: ParallelConfig) -> tuple[tuple[str, Any], ...]:
-    return tuple((name, axes) for name, axes in cfg.rules)
-
-
-def param_logical_specs(config: Config) -> Any:
-    """Logical PartitionSpecs of the Classifier's params, from an abstract init (nothing is computed)."""
-    model = Classifier(config.model)
-    length = min(config.model.max_len, 8)
-    tokens = jax.ShapeDtypeStruct((1, length), jnp.int32)
-    valid = jax.ShapeDtypeStruct((1, length), jnp.bool_)
-    boxed = jax.eval_shape(lambda t, v: model.init(jax.random.key(0), t, v), tokens, valid)
-    return nn.get_partition_spec(boxed["params"])
-
-
-def param_shardings(specs: Any, params: Any, mesh: Mesh, rules: Any) -> tuple[Any, list[str]]:
-    """NamedSharding per param leaf, and a note for each dim left replicated because its mesh axes
-    do not divide it (e.g. a 259-token vocabulary over tensor=2): such a dim is replicated rather
-    than refused, so every config runs on every mesh; the notes say what it costs."""
-    notes: list[str] = []
-    flat_specs, treedef = jax.tree.flatten(specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
-    treedef = cast(Any, treedef)
-    flat_params = treedef.flatten_up_to(params)
-    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
-    out = []
-    for path, logical, leaf in zip(paths, flat_specs, flat_params, strict=True):
-        axes = list(nn.logical_to_mesh_axes(tuple(logical), rules) or ())
-        for dim, entry in enumerate(axes):
-            names = entry if isinstance(entry, tuple) else (entry,)
-            size = math.prod(mesh.shape[a] for a in names if a is not None)
-            if size > 1 and leaf.shape[dim] % size:
-                notes.append(f"{path} dim {dim} ({leaf.shape[dim]}) over {entry} ({size})")
-                axes[dim] = None
-        out.append(NamedSharding(mesh, PartitionSpec(*axes)))
-    return treedef.unflatten(out), notes
-
-
-def state_shardings(state: TrainState, params_sh: Any, mesh: Mesh) -> TrainState:
-    """Shardings for a whole TrainState: optimizer leaves that mirror a parameter (Adam moments,
-    accumulated gradients) take that parameter's sharding; counters are replicated."""
-    replicated = NamedSharding(mesh, PartitionSpec())
-    opt_sh = optax.tree_map_params(
-        state.tx, lambda _, sh: sh, state.opt_state, params_sh,
-        transform_non_params=lambda _: replicated,
-        is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct),
-    )
-    return state.replace(step=replicated, params=params_sh, opt_state=opt_sh)
-
-
 def host_value(x: Any) -> Any:
     """A leaf this process can read: global replicated arrays give their local copy."""
     if isinstance(x, jax.Array) and not x.is_fully_addressable:
@@ -149,14 +76,19 @@ def host_value(x: Any) -> Any:
 
 
 class Runner:
-    """Compiled steps plus placement (the only interface the loop uses). Strategy `single`."""
+    """Compiled steps plus placement and gathers (the only interface the loop uses). Strategy `single`.
+
+    Built from the config, the task (whose step it compiles), the state's shapes and, for `sharded`,
+    the parameters' logical PartitionSpecs.
+    """
 
     strategy = "single"
 
-    def __init__(self, config: Config, state: TrainState) -> None:
+    def __init__(self, config: Config, state: TrainState, task: Task = CLASSIFICATION, specs: Any = None) -> None:
         self.device = jax.devices()[0]
-        self._train = jax.jit(train_step, donate_argnums=0)
-        self._eval = jax.jit(eval_step)
+        self.pad_values = task.pad_values
+        self._train = jax.jit(functools.partial(train_step, task), donate_argnums=0)
+        self._eval = jax.jit(functools.partial(eval_step, task))
 
     def data_parallel_size(self) -> int:
         """Devices that each compute on a slice of the batch (train.batch_size must be a multiple)."""
@@ -187,6 +119,18 @@ class Runner:
         """A state of ordinary jax.Arrays without a device axis, which Orbax saves from every process."""
         return state
 
+    def fetch(self, tree: Any) -> Any:
+        """Host numpy copies of (replicated) results such as metrics; each process reads its local copy."""
+        return jax.device_get(jax.tree.map(host_value, tree))
+
+    def host_params(self, state: TrainState) -> Any:
+        """The parameters as host arrays, gathered from every process when sharded across hosts (every
+        process must call this together)."""
+        params = self.unreplicate(state).params
+        if not all(x.is_fully_addressable for x in jax.tree.leaves(params)):
+            params = multihost_utils.process_allgather(params, tiled=True)
+        return jax.device_get(params)
+
     def abstract_state(self, state: TrainState) -> TrainState:
         """Orbax restore target: shapes, dtypes and this layout's shardings for `unreplicate(state)`
         (pass a host state or jax.eval_shape of one)."""
@@ -197,15 +141,15 @@ class Runner:
         return 1
 
     def _pad(self, batch: Batch) -> Batch:
-        """Pad this process's rows to a multiple of its devices with empty rows labelled -1, which
-        count nowhere (the step divides by the real-example count)."""
-        rows = len(batch["labels"])
+        """Pad this process's rows to a multiple of its devices with empty rows (no valid tokens, the
+        task's fill for its targets, e.g. label -1), which count nowhere (the step divides by the count)."""
+        rows = len(batch["tokens"])
         missing = -rows % self._local_rows_multiple()
         if not missing:
             return batch
         out = {}
         for key, value in batch.items():
-            fill = -1 if key == "labels" else 0
+            fill = self.pad_values.get(key, 0)
             pad = np.full((missing, *value.shape[1:]), fill, value.dtype)
             out[key] = np.concatenate([np.asarray(value), pad])
         return out
@@ -214,20 +158,21 @@ class Runner:
 class PmapRunner(Runner):
     strategy = "pmap"
 
-    def __init__(self, config: Config, state: TrainState) -> None:
+    def __init__(self, config: Config, state: TrainState, task: Task = CLASSIFICATION, specs: Any = None) -> None:
         self.devices = jax.devices()
         self.local_devices = jax.local_devices()
+        self.pad_values = task.pad_values
         _check_batch_size(config, len(self.devices), "pmap uses every device")
 
         def step(state: TrainState, batch: Any, rng: jax.Array) -> tuple[TrainState, Metrics]:
             # A dropout key per device: the same key would drop the same units in every shard.
             rng = jax.random.fold_in(rng, jax.lax.axis_index(PMAP_AXIS))
-            return train_step(state, batch, rng, axis_name=PMAP_AXIS)
+            return train_step(task, state, batch, rng, axis_name=PMAP_AXIS)
 
         # Metrics are reduced inside the step, so they come back once, not per device.
         self._train = jax.pmap(step, PMAP_AXIS, in_axes=(0, 0, None), out_axes=(0, None), donate_argnums=0)
         self._eval = jax.pmap(
-            lambda s, b: eval_step(s, b, axis_name=PMAP_AXIS), PMAP_AXIS, in_axes=(0, 0), out_axes=None
+            lambda s, b: eval_step(task, s, b, axis_name=PMAP_AXIS), PMAP_AXIS, in_axes=(0, 0), out_axes=None
         )
         self._replicated = NamedSharding(Mesh(np.array(self.devices), ("devices",)), PartitionSpec())
         self._stacked = NamedSharding(Mesh(np.array(self.local_devices), (PMAP_AXIS,)), PartitionSpec(PMAP_AXIS))
@@ -273,8 +218,11 @@ class PmapRunner(Runner):
 class ShardedRunner(Runner):
     strategy = "sharded"
 
-    def __init__(self, config: Config, state: TrainState) -> None:
+    def __init__(self, config: Config, state: TrainState, task: Task = CLASSIFICATION, specs: Any = None) -> None:
         cfg = config.parallel
+        if specs is None:
+            raise ValueError("the sharded runner needs the params' logical specs (train.state.abstract_init)")
+        self.pad_values = task.pad_values
         self.mesh = make_mesh(cfg)
         self.rules = logical_rules(cfg)
         batch_axes = (nn.logical_to_mesh_axes(("batch",), self.rules) or (None,))[0]
@@ -283,7 +231,6 @@ class ShardedRunner(Runner):
         _check_batch_size(config, self.data_parallel_size(), f"mesh axes {batch_axes}")
         self._check_share()
 
-        specs = param_logical_specs(config)
         spec_tree: Any = jax.tree.structure(specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
         if spec_tree != jax.tree.structure(state.params):
             raise ConfigError("the state's params do not match config.model: build the state from the same config")
@@ -301,11 +248,12 @@ class ShardedRunner(Runner):
         rep = self.replicated
 
         def step(state: TrainState, batch: Any, rng: jax.Array) -> tuple[TrainState, Metrics]:
-            new_state, metrics = train_step(state, batch, rng)
+            new_state, metrics = train_step(task, state, batch, rng)
             return self._pin(new_state), jax.lax.with_sharding_constraint(metrics, rep)
 
         self._train = jax.jit(step, donate_argnums=0)
-        self._eval = jax.jit(lambda state, batch: jax.lax.with_sharding_constraint(eval_step(state, batch), rep))
+        self._eval = jax.jit(
+            lambda state, batch: jax.lax.with_sharding_constraint(eval_step(task, state, batch), rep))
 
     def shardings_like(self, state: TrainState) -> TrainState:
         """This layout's shardings in the tree structure of `state` (any state of the config's shape)."""
@@ -401,8 +349,10 @@ def _check_batch_size(config: Config, parallel: int, where: str) -> None:
         )
 
 
-def make_runner(config: Config, state: TrainState) -> Runner:
-    """The Runner for config.parallel. `state` (host arrays or jax.eval_shape of one) gives shapes."""
+def make_runner(config: Config, state: TrainState, *, task: Task = CLASSIFICATION, specs: Any = None) -> Runner:
+    """The Runner for config.parallel, compiling `task`'s steps. `state` (host arrays or jax.eval_shape of
+    one) gives shapes; `specs` are the params' logical PartitionSpecs (train.state.abstract_init), which
+    `sharded` needs."""
     strategy = config.parallel.strategy
     if jax.process_count() > 1 and (strategy == "single" or jax.device_count() == 1):
         raise ConfigError(
@@ -412,7 +362,7 @@ def make_runner(config: Config, state: TrainState) -> Runner:
     if strategy == "sharded":
         mesh_shape(config.parallel, jax.device_count())  # a mesh that cannot fit fails even on 1 device
     if strategy == "single" or jax.device_count() == 1:
-        return Runner(config, state)
+        return Runner(config, state, task, specs)
     if strategy == "pmap":
-        return PmapRunner(config, state)
-    return ShardedRunner(config, state)
+        return PmapRunner(config, state, task, specs)
+    return ShardedRunner(config, state, task, specs)

@@ -82,9 +82,24 @@ def create_state(
     return TrainState.create(apply_fn=model.apply, params=params, tx=tx, lr_schedule=schedule)
 
 
-def init_params(model: nn.Module, seed: int, batch_len: int) -> Any:
-    """Unboxed float params from a dummy [1, L] batch (logical axis metadata stripped)."""
+def init_variables(model: nn.Module, seed: int, batch_len: int) -> Any:
+    """The model's params with their logical axis metadata (boxed), from a dummy [1, L] batch.
+
+    Under jax.eval_shape this is the one abstract init a run needs: `nn.get_partition_spec` of it gives
+    the logical PartitionSpecs (train/parallel.py) and `nn.unbox` of it the parameter shapes.
+    """
     tokens = jnp.zeros((1, batch_len), jnp.int32)
     valid = jnp.ones((1, batch_len), jnp.bool_)
-    variables = model.init(jax.random.key(seed), tokens, valid)
-    return nn.unbox(variables["params"])
+    return model.init(jax.random.key(seed), tokens, valid)["params"]
+
+
+def init_params(model: nn.Module, seed: int, batch_len: int) -> Any:
+    """Unboxed float params from a dummy [1, L] batch (logical axis metadata stripped)."""
+    return nn.unbox(init_variables(model, seed, batch_len))
+
+
+def abstract_init(model: nn.Module, seed: int, batch_len: int) -> tuple[Any, Any]:
+    """(parameter shapes and dtypes, their logical PartitionSpecs) from one abstract init: nothing is
+    computed, and the specs come from the same boxed tree the shapes are unboxed from."""
+    boxed = jax.eval_shape(lambda: init_variables(model, seed, batch_len))
+    return nn.unbox(boxed), nn.get_partition_spec(boxed)

@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from flax.training.train_state import TrainState
 
 from jaxblock import diagnostics as dg
 from jaxblock.config import EncoderConfig
@@ -39,7 +40,8 @@ from train import data
 from train.config import OptimConfig
 from train.diagnose import Parser, UsageError
 from train.state import init_params, make_schedule
-from train.step import batch_loss
+from train.step import gradient_step
+from train.tasks import CLASSIFICATION
 
 PLACEMENTS = ("pre", "post")
 
@@ -186,26 +188,33 @@ def initializer(model: Classifier, s: Settings) -> Any:
 
 
 def _init_grads(model: Classifier, params: Any, batch: dict[str, jax.Array]) -> list[float]:
-    return dg.grad_norms_by_depth(model, {"params": params}, batch, batch_loss).ffn_out_kernel_grad
+    return dg.grad_norms_by_depth(model, {"params": params}, batch, CLASSIFICATION.loss).ffn_out_kernel_grad
 
 
+# Adam without its learning rate; the step scales the update by an lr argument, so both schedules share
+# one compiled step.
 _ADAM = optax.scale_by_adam(b1=0.9, b2=0.98, eps=1e-8)
 
 
 def _make_step(model: Classifier) -> Any:
-    """One compiled step per model; the learning rate is an argument, so both schedules share it."""
+    """One compiled step per model through the trainer's `gradient_step`: (state, batch, lr) -> (state, loss)."""
 
     @jax.jit
-    def step(params: Any, opt: Any, batch: dict[str, jax.Array], lr: jax.Array) -> tuple[Any, Any, jax.Array]:
-        def loss_fn(p: Any) -> jax.Array:
-            logits: Any = model.apply({"params": p}, batch["tokens"], batch["valid_tokens"], train=True)
-            return batch_loss(logits, batch)
+    def step(state: TrainState, batch: dict[str, jax.Array], lr: jax.Array) -> tuple[TrainState, jax.Array]:
+        def loss_fn(p: Any) -> tuple[jax.Array, None]:
+            return CLASSIFICATION.loss(CLASSIFICATION.apply(model.apply, p, batch, train=True, rng=None), batch), None
 
-        loss, g = jax.value_and_grad(loss_fn)(params)
-        updates, opt = _ADAM.update(g, opt, params)
-        return jax.tree.map(lambda p, u: p - lr * u, params, updates), opt, loss
+        # The optimizer closes over this trace's lr; it lives only inside the step (replaced on return).
+        tx = optax.chain(_ADAM, optax.scale(-lr))
+        state, loss, _, _ = gradient_step(state.replace(tx=tx), loss_fn)
+        return state.replace(tx=_ADAM), loss
 
     return step
+
+
+def initial_state(params: Any) -> TrainState:
+    """The step's state: the params and the optimizer state of Adam followed by a (stateless) lr scale."""
+    return TrainState.create(apply_fn=None, params=params, tx=optax.chain(_ADAM, optax.scale(-1.0))).replace(tx=_ADAM)
 
 
 def schedule(s: Settings, warm: bool) -> optax.Schedule:
@@ -215,14 +224,15 @@ def schedule(s: Settings, warm: bool) -> optax.Schedule:
 
 def _train(params: Any, step: Any, forward: Any, ds: tuple[data.Split, data.Split], s: Settings, seed: int,
            warm: bool) -> dict[str, Any]:
-    opt = _ADAM.init(params)
+    state = initial_state(params)
     losses: list[float] = []
     lr = schedule(s, warm)
     for t in range(s.steps):
-        params, opt, loss = step(params, opt, _batch(ds[0], s, seed, t), jnp.float32(lr(t)))
+        state, loss = step(state, _batch(ds[0], s, seed, t), jnp.float32(lr(t)))
         losses.append(float(loss))
         if not math.isfinite(losses[-1]):
             break
+    params = state.params
     accuracy = _accuracy(forward, params, ds[1], s) if math.isfinite(losses[-1]) else float("nan")
     return {"losses": losses, "final_loss": final_loss(losses), "val_accuracy": accuracy,
             "verdict": verdict(losses, accuracy, 2)}

@@ -1,0 +1,58 @@
+"""train/inference.py: a trained run loaded from Python predicts and evaluates as the run itself did, and
+loading it logs nothing."""
+
+from __future__ import annotations
+
+import logging
+
+import jax
+import numpy as np
+import pytest
+
+from train.checkpoint import CheckpointError, load_for_inference
+from train.data import DataError, encode_texts
+from train.inference import TrainedRun
+from train.tasks import CLASSIFICATION
+
+
+@pytest.fixture(scope="module")
+def trained(reference_run) -> TrainedRun:
+    return TrainedRun.load(reference_run[0])
+
+
+def test_loading_logs_no_warnings(reference_run, caplog):
+    with caplog.at_level(logging.DEBUG, logger="absl"):
+        TrainedRun.load(reference_run[0])
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+
+
+def test_evaluate_reproduces_the_runs_own_test_result(trained, reference_run):
+    summary = reference_run[1]
+    result = trained.evaluate("test")
+    assert list(result) == ["loss", "accuracy", "examples"]
+    assert result["accuracy"] == summary["test_accuracy"]
+    assert result["loss"] == pytest.approx(summary["test_loss"], rel=1e-6)
+    assert result["examples"] == len(trained.dataset.test)
+
+
+def test_predict_is_the_softmax_of_the_classifier(trained, reference_run):
+    texts = ["3 5 7 3", "4 6 8", "1"]
+    predictions = trained.predict(texts)
+    config, params, tokenizer, labels = load_for_inference(reference_run[0])
+    batch = encode_texts(tokenizer, texts, config.data.max_len, config.data.buckets)
+    logits = CLASSIFICATION.build_model(config.model).apply({"params": params}, batch["tokens"], batch["valid_tokens"])
+    probs = np.asarray(jax.nn.softmax(logits, axis=-1))  # [N, C]
+    for p, got in zip(probs, predictions, strict=True):
+        assert got.label == labels[int(p.argmax())]
+        assert got.probability == pytest.approx(float(p.max()), rel=1e-5)
+        assert list(got.probabilities) == labels
+        assert sum(got.probabilities.values()) == pytest.approx(1.0, rel=1e-6)
+
+
+def test_bad_requests_are_one_line_errors(trained, tmp_path):
+    with pytest.raises(DataError, match="text 2 is empty"):
+        trained.predict(["3 4", ""])
+    with pytest.raises(ValueError, match="unknown split 'dev'"):
+        trained.evaluate("dev")
+    with pytest.raises(CheckpointError, match="does not exist"):
+        TrainedRun.load(tmp_path / "missing")

@@ -1,0 +1,83 @@
+"""The device mesh and where each parameter lives on it (used by train/parallel.py's sharded runner).
+
+Mesh axes (data, fsdp, tensor); parameters carry logical axis names (e.g. 'embed', 'mlp', 'heads') from
+their Flax init, mapped to mesh axes by `parallel.rules`; optimizer state follows its parameters.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, cast
+
+import flax.linen as nn
+import jax
+import optax
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+from train.config import MESH_AXES, ConfigError, ParallelConfig
+from train.state import TrainState
+
+
+def mesh_shape(cfg: ParallelConfig, device_count: int) -> tuple[int, int, int]:
+    """(data, fsdp, tensor) with -1 resolved; the product must be the device count."""
+    sizes = [cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor]
+    fixed = math.prod(s for s in sizes if s != -1)
+    if -1 in sizes:
+        if device_count % fixed:
+            raise ConfigError(
+                f"parallel.mesh {dict(zip(MESH_AXES, sizes, strict=True))} does not divide {device_count} "
+                "devices: pick axis sizes whose product divides the device count"
+            )
+        sizes[sizes.index(-1)] = device_count // fixed
+    if math.prod(sizes) != device_count:
+        raise ConfigError(
+            f"parallel.mesh {dict(zip(MESH_AXES, sizes, strict=True))} needs {math.prod(sizes)} devices but "
+            f"{device_count} are present: make the product equal the device count or set one axis to -1"
+        )
+    return sizes[0], sizes[1], sizes[2]
+
+
+def make_mesh(cfg: ParallelConfig, devices: list[Any] | None = None) -> Mesh:
+    devices = devices or jax.devices()
+    shape = mesh_shape(cfg, len(devices))
+    return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * 3, devices=devices)
+
+
+def logical_rules(cfg: ParallelConfig) -> tuple[tuple[str, Any], ...]:
+    return tuple((name, axes) for name, axes in cfg.rules)
+
+
+def param_shardings(specs: Any, params: Any, mesh: Mesh, rules: Any) -> tuple[Any, list[str]]:
+    """NamedSharding per param leaf, and a note for each dim left replicated because its mesh axes
+    do not divide it (e.g. a 259-token vocabulary over tensor=2): such a dim is replicated rather
+    than refused, so every config runs on every mesh; the notes say what it costs."""
+    notes: list[str] = []
+    flat_specs, treedef = jax.tree.flatten(specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
+    treedef = cast(Any, treedef)
+    flat_params = treedef.flatten_up_to(params)
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+    out = []
+    for path, logical, leaf in zip(paths, flat_specs, flat_params, strict=True):
+        axes = list(nn.logical_to_mesh_axes(tuple(logical), rules) or ())
+        for dim, entry in enumerate(axes):
+            names = entry if isinstance(entry, tuple) else (entry,)
+            size = math.prod(mesh.shape[a] for a in names if a is not None)
+            if size > 1 and leaf.shape[dim] % size:
+                notes.append(f"{path} dim {dim} ({leaf.shape[dim]}) over {entry} ({size})")
+                axes[dim] = None
+        out.append(NamedSharding(mesh, PartitionSpec(*axes)))
+    return treedef.unflatten(out), notes
+
+
+def state_shardings(state: TrainState, params_sh: Any, mesh: Mesh) -> TrainState:
+    """Shardings for a whole TrainState: optimizer leaves that mirror a parameter (Adam moments,
+    accumulated gradients) take that parameter's sharding; counters are replicated."""
+    replicated = NamedSharding(mesh, PartitionSpec())
+    opt_sh = optax.tree_map_params(
+        state.tx, lambda _, sh: sh, state.opt_state, params_sh,
+        transform_non_params=lambda _: replicated,
+        is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct),
+    )
+    return state.replace(step=replicated, params=params_sh, opt_state=opt_sh)
+
+

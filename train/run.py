@@ -1,0 +1,161 @@
+"""A run's workdir: plan it (validate everything, write nothing), prepare it (write the run's files), train.
+
+`plan_run` reads the config, the data, the workdir and any checkpoint in it, and raises a one-line error
+(ConfigError, DataError, CheckpointError, WorkdirError: exit code 2) before anything is written, so a bad
+command never touches an existing run. It builds the three objects the loop receives: the task (what is
+trained), the batch source (where batches come from) and the runner (where the step runs). `train` then
+writes the run's files (`prepare`) and hands the plan to the loop (train/loop.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jax
+import yaml
+
+from train import data
+from train.batches import BatchSource, InMemoryBatches
+from train.checkpoint import CONFIG_FILE, TOKENIZER_DIR, CheckpointError, check_compatible, latest_step, read_run_config
+from train.config import Config, ConfigError, apply_overrides, config_from_dict, load_config
+from train.metrics import atomic_write, run_metadata
+from train.parallel import Runner, initialize_distributed, make_runner
+from train.state import TrainState, abstract_init, create_state, init_params
+from train.tasks import CLASSIFICATION, Task
+
+RUN_FILE = "run.json"
+SUMMARY_FILE = "summary.json"
+
+
+class WorkdirError(ValueError):
+    """A workdir that cannot hold a run: one line naming the problem and the fix."""
+
+
+@dataclass
+class Plan:
+    """Everything validated for a run; nothing has been written yet."""
+
+    config: Config  # resolved: model.vocab_size and model.num_classes come from the data
+    workdir: Path
+    dataset: data.Dataset
+    start_step: int  # the checkpoint to resume from; 0 for a fresh run
+    task: Task
+    batches: BatchSource
+    runner: Runner
+    abstract: TrainState  # shapes and dtypes only (jax.eval_shape), for the runner and restore targets
+    make_state: Callable[[], TrainState]  # the fresh state (seeded init), traceable
+
+    def initial_state(self) -> TrainState:
+        """The fresh state, built where the runner keeps it (sharded from the start under `sharded`)."""
+        return self.runner.init_state(self.make_state)
+
+
+def check_workdir(workdir: Path) -> None:
+    """A directory we may write: new (creatable), empty, or holding a run."""
+    if workdir.exists():
+        if not workdir.is_dir():
+            raise WorkdirError(f"workdir {workdir} is a file: pass a directory path for --workdir")
+        if not os.access(workdir, os.W_OK | os.X_OK):
+            raise WorkdirError(f"workdir {workdir} is not writable: fix its permissions or pass another --workdir")
+        if any(workdir.iterdir()) and not (workdir / CONFIG_FILE).is_file():
+            raise WorkdirError(f"workdir {workdir} is not empty and holds no run: pass a new or empty directory")
+        return
+    parent = workdir.absolute().parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        raise WorkdirError(f"cannot create workdir {workdir} ({parent} is not writable): pass another --workdir")
+
+
+def resolve(config: Config, dataset: data.Dataset) -> Config:
+    """The config with what the data decides: vocabulary size (tokenizer) and number of classes."""
+    raw = config.model_dump(mode="json")
+    raw["model"].update(vocab_size=dataset.tokenizer.vocab_size, num_classes=len(dataset.label_names))
+    resolved = config_from_dict(raw)
+    if resolved.data.buckets[-1] > resolved.model.max_len:
+        raise ConfigError(
+            f"model.max_len={resolved.model.max_len} is shorter than the largest bucket {resolved.data.buckets[-1]} "
+            f"in data.buckets: raise model.max_len to >= {resolved.data.buckets[-1]} or drop that bucket"
+        )
+    return resolved
+
+
+def plan_run(config: Config, workdir: Path, task: Task = CLASSIFICATION) -> Plan:
+    """Validate config, data, workdir and checkpoint compatibility; build the task's runner and batches."""
+    workdir = Path(workdir)
+    initialize_distributed(config.parallel)  # multi-host: the one call, before anything touches a device
+    check_workdir(workdir)
+    tokenizer_dir = workdir / TOKENIZER_DIR
+    dataset = data.load_dataset(config.data, tokenizer_dir=tokenizer_dir if tokenizer_dir.is_dir() else None)
+    config = resolve(config, dataset)
+    start = latest_step(workdir) or 0
+    if start > config.train.steps:
+        raise CheckpointError(f"{workdir} is at step {start}, past train.steps={config.train.steps}: raise "
+                              "train.steps or use a new --workdir")
+    model = task.build_model(config.model)
+    cfg = config
+    params, specs = abstract_init(model, cfg.train.seed, cfg.data.buckets[-1])
+    abstract = jax.eval_shape(lambda p: create_state(model, p, cfg.optim, cfg.train.steps), params)
+
+    def make_state() -> TrainState:
+        return create_state(model, init_params(model, cfg.train.seed, cfg.data.buckets[-1]), cfg.optim,
+                            cfg.train.steps)
+
+    if start:
+        check_compatible(workdir, start, abstract.params)
+    runner = make_runner(config, abstract, task=task, specs=specs)
+    batches = InMemoryBatches(dataset, config, runner.data_share())
+    return Plan(config, workdir, dataset, start, task, batches, runner, abstract, make_state)
+
+
+def prepare(plan: Plan) -> None:
+    """Write the resolved config, the tokenizer and a session record in run.json (primary process only).
+    (This is where the workdir will be locked against a second writer.)"""
+    plan.workdir.mkdir(parents=True, exist_ok=True)
+    atomic_write(plan.workdir / CONFIG_FILE, yaml.safe_dump(plan.config.model_dump(mode="json"), sort_keys=False))
+    if not (plan.workdir / TOKENIZER_DIR).is_dir():
+        plan.dataset.tokenizer.save(plan.workdir / TOKENIZER_DIR)
+    path = plan.workdir / RUN_FILE
+    record = json.loads(path.read_text()) if path.is_file() else {"sessions": []}
+    record["label_names"] = plan.dataset.label_names
+    record["truncated"] = plan.dataset.truncated
+    record["sessions"].append(run_metadata(plan.start_step))
+    atomic_write(path, json.dumps(record, indent=2) + "\n")
+
+
+def train(config: Config, workdir: Path, *, batches: Callable[[BatchSource], BatchSource] | None = None
+          ) -> dict[str, Any]:
+    """Plan (validate), then train; returns the summary (or {"preempted": True, ...} after a signal).
+
+    `batches` may wrap the planned batch source (e.g. to inject faults in tests). Raises the one-line
+    errors of `plan_run`, or train.loop.HaltError.
+    """
+    from train.loop import Trainer
+
+    plan = plan_run(config, workdir)
+    if batches is not None:
+        plan.batches = batches(plan.batches)
+    return Trainer(plan).train()
+
+
+def config_for_workdir(config_path: str | None, overrides: list[str], workdir: Path) -> Config:
+    """The config to run: --config (+ overrides), or the run's own resolved config (+ overrides)."""
+    if config_path is not None:
+        return load_config(config_path, overrides)
+    if not (Path(workdir) / CONFIG_FILE).is_file():
+        raise ConfigError(f"no --config given and {workdir} holds no run: pass --config configs/tiny.yaml (or another)")
+    saved = read_run_config(workdir).model_dump(mode="json")
+    return config_from_dict(apply_overrides(saved, overrides))
+
+
+def summary_line(summary: dict[str, Any]) -> str:
+    """The one line the CLI prints for a finished run."""
+    return (f"done: {summary['steps']} steps ({summary['session_steps']} this session, {summary['seconds']:.0f}s); "
+            f"best validation accuracy {summary['best_val_accuracy']:.4f} at step {summary['best_val_step']}; "
+            f"test accuracy {summary['test_accuracy']:.4f} (checkpoint {summary['test_checkpoint_step']}); "
+            f"workdir {summary['workdir']}")
