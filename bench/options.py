@@ -3,7 +3,7 @@
 options  the training step at the first benchmark shape (Pre-LN) with one option changed at a time:
          fused QKV off, attention kernel (unfused, chunked), scan over layers, remat (full, dots),
          bf16 compute (float32 params; float32 softmax and norm statistics), no buffer donation,
-         and the block without `settle_gradient` (jaxblock/block.py: the residual gradient stored once
+         and the block without `settle_gradient` (jaxblock/settle.py: the residual gradient stored once
          per residual point instead of re-derived by each consumer fusion; swapped for an identity here).
          Remat on unrolled layers recomputes but saves no memory on XLA's CPU backend (its scheduler
          runs the recomputation early), so remat is measured with scan too.
@@ -16,8 +16,6 @@ packing  the main job's model and data (configs/sentiment.yaml: Rotten Tomatoes,
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -30,22 +28,9 @@ from flax.training.train_state import TrainState
 from bench.context import Context
 from bench.measure import Record, compiled_memory, peak_rss, time_interleaved
 from bench.workloads import OursTrain, init_params, make_inputs, stack_config
+from jaxblock import settle as settle_gradient
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-@contextmanager
-def _without_settle_gradient(active: bool) -> Iterator[None]:
-    """Trace the block with a plain identity where it calls settle_gradient (only while compiling)."""
-    import jaxblock.block as block
-
-    real = block.settle_gradient
-    if active:
-        block.settle_gradient = lambda x, one: x  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        block.settle_gradient = real
 
 
 def options(ctx: Context) -> list[Record]:
@@ -73,7 +58,7 @@ def options(ctx: Context) -> list[Record]:
         scan, remat, settle = opts.pop("scan", False), opts.pop("remat", "none"), opts.pop("settle", True)
         cfg = stack_config(shape, scan=scan, remat=remat, **opts)
         ctx.log(f"options {name}: compiling")
-        with _without_settle_gradient(not settle):
+        with settle_gradient.forced(settle):
             steps[name] = OursTrain(cfg, params, x, valid, donate=donate)
         configs[name] = {**shape.as_dict(), "scan": scan, "remat": remat, "donate": donate,
                          "settle_gradient": settle, **opts}

@@ -14,6 +14,7 @@ from jaxblock.attention import SelfAttention, choose_implementation
 from jaxblock.block import EncoderBlock
 from jaxblock.config import BlockConfig, EncoderConfig, StackConfig
 from jaxblock.ffn import FeedForward
+from jaxblock.mlm import MaskedLM, mlm_loss, select_positions
 from jaxblock.model import (
     Classifier,
     Encoder,
@@ -36,13 +37,16 @@ __all__ = [
     "EncoderStack",
     "FeedForward",
     "LayerNorm",
+    "MaskedLM",
     "RMSNorm",
     "SelfAttention",
     "StackConfig",
     "__version__",
     "choose_implementation",
     "masked_mean",
+    "mlm_loss",
     "segment_mean",
+    "select_positions",
     "stack_layer_params",
     "unbox",
     "unstack_layer_params",
