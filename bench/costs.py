@@ -1,12 +1,12 @@
 """How cost grows: step time and peak memory vs length L, width D and the number of layers; compile time
 vs the number of layers (records name it K, as the benchmark tables do).
 
-length  L = 128 ... 4096 for one sequence (N=1), K=2: projections, FFN and activations grow as L,
+length  L = 128 ... 4096 for one sequence (N=1), B=2 blocks: projections, FFN and activations grow as L,
         attention's FLOPs and its [L, L] scores as L². Four attention/memory settings: XLA attention,
         XLA + remat, chunked (flash-style, [L, C] blocks), chunked + remat (remat always with scan over
         layers), and on a GPU 'auto' (cuDNN).
         On a CPU, 'auto' itself picks chunked from L = 4 * attn_chunk_size = 2048 on.
-width   D = 128 ... 1024 (H = D/64, F = 4D) at N=8, L=128, K=2.
+width   D = 128 ... 1024 (H = D/64, F = 4D) at N=8, L=128, B=2.
 depth   1 ... 8 layers at the first benchmark shape.
 compile time to trace and compile the training step vs the number of layers, with and without scan over layers.
 
@@ -108,8 +108,8 @@ def depth(ctx: Context) -> list[Record]:
     records = needs_peak(ctx)
     for k in (1, 2) if ctx.quick else (1, 2, 4, 8):
         shape = Shape(base.n, base.length, base.d, base.h, base.f, k)
-        ctx.log(f"depth K={k}")
-        records.append(measure_train_point(ctx, "depth", f"K={k}", stack_config(shape, dtype=ctx.dtype), shape,
+        ctx.log(f"depth B={k}")
+        records.append(measure_train_point(ctx, "depth", f"B={k}", stack_config(shape, dtype=ctx.dtype), shape,
                                            {"dtype": ctx.dtype}, reps=_sweep_reps(ctx)))
     return records
 
@@ -134,13 +134,13 @@ def compile_time(ctx: Context) -> list[Record]:
         for k in depths:
             shape = Shape(base.n, base.length, base.d, base.h, base.f, k)
             cfg = stack_config(shape, scan=scan, dtype=ctx.dtype)
-            ctx.log(f"compile K={k} scan={scan}")
+            ctx.log(f"compile B={k} scan={scan}")
             runs = [_compile_seconds(cfg, shape) for _ in range(reps)]
             totals = [lower + comp for lower, comp in runs]
             med = float(np.median(totals))
             first = first or med
             records.append(Record.from_times(
-                "compile", f"K={k} {'scan' if scan else 'unrolled'}", {**shape.as_dict(), "scan": scan}, totals,
+                "compile", f"B={k} {'scan' if scan else 'unrolled'}", {**shape.as_dict(), "scan": scan}, totals,
                 lower_s=float(np.median([r[0] for r in runs])), compile_s=float(np.median([r[1] for r in runs])),
                 ratio_vs_first=med / first,
             ))

@@ -1,7 +1,7 @@
 """Where a training step's time goes: XLA's per-op trace, grouped into matmuls, layout copies, reductions
 and elementwise work.
 
-    python -m bench.profile                 # the D=512 benchmark shape (N=8, L=256, H=8, F=2048, K=4)
+    python -m bench.profile                 # the D=512 benchmark shape (N=8, L=256, H=8, F=2048, B=4)
     python -m bench.profile --shape 0       # the D=256 shape
     python -m bench.profile --attention chunked --length 4096 --batch 1
 

@@ -51,7 +51,7 @@ def summarize(data: dict[str, Any]) -> str:
         for r in by.get(section, []):
             if not r["name"].startswith("ours"):
                 continue
-            m, shape = r["metrics"], r["name"].removeprefix("ours ")  # "pre-LN N16 L128 D256 K4"
+            m, shape = r["metrics"], r["name"].removeprefix("ours ")  # "pre-LN N16 L128 D256 B4"
             theirs = "torch eager " if section == "train" else "torch fast path "
             other = next((t for t in by[section] if t["name"] == theirs + shape), None)
             rows.append([shape, _ms(r["median"]), _ms(other["median"]) if other else "", _f(m.get("ratio")),
@@ -63,7 +63,7 @@ def summarize(data: dict[str, Any]) -> str:
         [f"{r['section']} {r['name']}", _ms(r["median"]), _f(r["metrics"].get("fraction_of_peak")),
          _mib(r["metrics"].get("xla_peak_bytes")), _mib(r["metrics"].get("rss_peak_bytes"))]
         for s in ("length", "width", "depth") for r in by.get(s, [])])
-    table("Compile time (s)", ["K", "scan", "unrolled"], [
+    table("Compile time (s)", ["B", "scan", "unrolled"], [
         [r["name"].split()[0], f"{r['median']:.1f}",
          next((f"{t['median']:.1f}" for t in by["compile"] if t["name"] == r["name"].replace("scan", "unrolled")), "")]
         for r in by.get("compile", []) if r["name"].endswith("scan")])

@@ -48,11 +48,11 @@ class Shape:
     k: int
 
     def as_dict(self) -> dict[str, int]:
-        return {"N": self.n, "L": self.length, "D": self.d, "H": self.h, "F": self.f, "K": self.k}
+        return {"N": self.n, "L": self.length, "D": self.d, "H": self.h, "F": self.f, "B": self.k}
 
     @property
     def label(self) -> str:
-        return f"N{self.n} L{self.length} D{self.d} K{self.k}"
+        return f"N{self.n} L{self.length} D{self.d} B{self.k}"
 
 
 def stack_config(shape: Shape, norm: str = "pre", *, scan: bool = False, remat: str = "none",

@@ -160,7 +160,7 @@ def test_every_section_runs_in_quick_mode(tmp_path):
     packing = {r["name"]: r["metrics"] for r in records if r["section"] == "packing"}
     assert packing["packed"]["padding_fraction"] < packing["padded (buckets)"]["padding_fraction"]
     compile_names = {r["name"] for r in records if r["section"] == "compile"}
-    assert {"K=2 scan", "K=2 unrolled"} <= compile_names
+    assert {"B=2 scan", "B=2 unrolled"} <= compile_names
 
 
 # --- the speed work keeps results exact ----------------------------------------------------------
