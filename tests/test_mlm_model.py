@@ -46,7 +46,7 @@ def test_tied_output_shares_the_embedding_and_gets_its_gradient() -> None:
     def loss(p: dict) -> jax.Array:
         return mlm_loss(model.apply({"params": p}, tokens, valid), targets, valid)[0]
 
-    grads = jax.grad(loss)(params)
+    grads = jax.jit(jax.grad(loss))(params)
     assert float(jnp.abs(grads["encoder"]["embedding"][absent]).sum()) > 0
 
     # Changing the embedding row of a word changes its output logit: the two are one parameter. (A random
@@ -54,8 +54,9 @@ def test_tied_output_shares_the_embedding_and_gets_its_gradient() -> None:
     bumped = jax.tree.map(lambda x: x, params)
     bump = jax.random.normal(jax.random.key(1), (D,))
     bumped["encoder"]["embedding"] = params["encoder"]["embedding"].at[absent].add(bump)
-    before = model.apply({"params": params}, tokens, valid)
-    after = model.apply({"params": bumped}, tokens, valid)
+    apply = jax.jit(model.apply)
+    before = apply({"params": params}, tokens, valid)
+    after = apply({"params": bumped}, tokens, valid)
     assert not np.allclose(before[..., absent], after[..., absent])
     np.testing.assert_allclose(before[..., absent + 1], after[..., absent + 1], rtol=1e-6, atol=1e-6)
 

@@ -332,7 +332,7 @@ def test_settle_gradient_is_an_exact_identity_forward_and_backward():
     np.testing.assert_array_equal(g, jnp.cos(x) * w)  # bit-for-bit: the backward divides by exactly 1.0
 
 
-@pytest.mark.parametrize("scan", [False, True])
+@pytest.mark.parametrize("scan", [False, pytest.param(True, marks=pytest.mark.slow)])  # scanned: -m slow
 @pytest.mark.parametrize("norm", ["pre", "post"])
 def test_the_stack_settles_each_residual_stream_point_on_cpu_only_and_changes_no_bit(norm, scan):
     """Settled: 2 points per block (its input and the stream between sublayers, from the wiring).

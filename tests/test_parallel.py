@@ -118,7 +118,8 @@ def applied_grads(params: list[Any]) -> list[Any]:
 
 
 @pytest.mark.parametrize(
-    "layout", ["pmap", "dp8", "fsdp8", pytest.param("tp2_dp4", marks=pytest.mark.slow)]  # TP layout: below
+    "layout",  # pmap (maintenance mode in JAX, 20 s of compile) and the TP layout (below) run with -m slow
+    [pytest.param("pmap", marks=pytest.mark.slow), "dp8", "fsdp8", pytest.param("tp2_dp4", marks=pytest.mark.slow)],
 )
 def test_sgd_losses_grads_and_params_match_single_device(layout: str) -> None:
     ref, got = run("single", "sgd"), run(layout, "sgd")
