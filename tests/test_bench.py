@@ -166,21 +166,6 @@ def test_every_section_runs_in_quick_mode(tmp_path):
 # --- the speed work keeps results exact ----------------------------------------------------------
 
 
-def test_settle_gradient_is_an_exact_identity_forward_and_backward():
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-
-    from jaxblock.block import settle_gradient
-
-    x = jnp.asarray(np.random.default_rng(0).normal(size=(2, 3, 4)), jnp.float32)
-    w = jnp.asarray(np.random.default_rng(1).normal(size=(2, 3, 4)), jnp.float32)
-    one = jnp.ones((), jnp.float32)
-    np.testing.assert_array_equal(settle_gradient(x, one), x)
-    g = jax.grad(lambda x: jnp.sum(jnp.sin(settle_gradient(x, one)) * w))(x)
-    np.testing.assert_array_equal(g, jnp.cos(x) * w)  # bit-for-bit: the backward divides by exactly 1.0
-
-
 def test_chunked_attention_gradients_match_autodiff_of_dense_attention_with_every_mask():
     import jax
     import jax.numpy as jnp
