@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -101,3 +102,108 @@ def test_bad_init_from_is_one_line_exit_2_nothing_written(reference_run, tmp_pat
 def test_packing_needs_mean_pooling(tmp_path):
     with pytest.raises(ConfigError, match=r"data\.packing"):
         run.plan_run(tiny_config("data.packing=true", "model.pooling=cls"), tmp_path / "w")
+
+
+# --- hf:<dir>: small transformers checkpoints built here, with tokenizers trained on the tiny data ---------
+
+SYMBOLS = [" ".join(str((i * 7 + j) % 16) for j in range(16)) for i in range(64)]  # tiny.yaml's symbol texts
+
+
+def bert_dir(root: Path) -> Path:
+    """A random 2-layer BertModel (D=32) saved with a WordPiece tokenizer.json and a license file."""
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.train_from_iterator(SYMBOLS, trainers.WordPieceTrainer(
+        special_tokens=["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"], show_progress=False))
+    tok.post_processor = processors.BertProcessing(("[SEP]", tok.token_to_id("[SEP]")),
+                                                   ("[CLS]", tok.token_to_id("[CLS]")))
+    cfg = transformers.BertConfig(vocab_size=tok.get_vocab_size(), hidden_size=32, num_hidden_layers=2,
+                                  num_attention_heads=2, intermediate_size=64, max_position_embeddings=40,
+                                  pad_token_id=0)
+    path = root / "bert"
+    transformers.BertModel(cfg, add_pooling_layer=False).save_pretrained(path)
+    tok.save(str(path / "tokenizer.json"))
+    (path / "LICENSE").write_text("test license\n")
+    return path
+
+
+def llama_dir(root: Path) -> Path:
+    """A random 2-layer LlamaModel (D=32, 4 query heads over 2 kv heads) with a BPE tokenizer adding <s>."""
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator(SYMBOLS, trainers.BpeTrainer(special_tokens=["<unk>", "<s>", "</s>"],
+                                                         show_progress=False))
+    bos = tok.token_to_id("<s>")
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", bos)])
+    cfg = transformers.LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=32, intermediate_size=64,
+                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                   max_position_embeddings=64, bos_token_id=bos, eos_token_id=2)
+    path = root / "llama"
+    transformers.LlamaModel(cfg).save_pretrained(path)
+    tok.save(str(path / "tokenizer.json"))
+    return path
+
+
+def test_hf_bert_plan_loads_its_encoder_tokenizer_and_pooling(tmp_path):
+    pytest.importorskip("transformers")
+    from jaxblock.interop.hf import from_hf
+
+    path = bert_dir(tmp_path)
+    work = tmp_path / "work"
+    config = run.config_for_workdir(str(TINY), [f"model.init_from=hf:{path}", "parallel.strategy=single"], work)
+    plan = run.plan_run(config, work)
+    model = plan.config.model
+    assert (model.block.model_dim, model.num_layers, model.max_len, model.pooling) == (32, 2, 16, "cls")
+    assert model.block.norm == "post" and model.embed_norm and model.block.residual_dropout == 0.1  # BERT's own
+    tok = plan.dataset.tokenizer
+    ids = tok.encode("3 4")
+    assert tok.kind == "pretrained" and tok.pad_id == 0 and len(ids) == 4
+    assert (ids[0], ids[-1]) == (tok._tok.token_to_id("[CLS]"), tok._tok.token_to_id("[SEP]"))
+    _, want = from_hf(path, max_len=16)
+    got = leaves(plan.initial_state().params["encoder"])
+    want_leaves = leaves(want["params"])
+    assert got.keys() == want_leaves.keys()
+    for name, value in want_leaves.items():
+        np.testing.assert_array_equal(got[name], value, err_msg=name)
+    with pytest.raises(ConfigError, match=r"model\.num_layers=3 contradicts .* which has 2"):
+        run.plan_run(run.config_for_workdir(str(TINY), [f"model.init_from=hf:{path}", "model.num_layers=3"],
+                                            work), work)
+    assert not work.exists()
+
+
+def _cli(*args: str) -> Any:
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "train", *args], capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["bert", "llama"])
+def test_cli_fine_tunes_a_transformers_checkpoint_then_evaluates_and_predicts(tmp_path, family):
+    pytest.importorskip("transformers")
+    path = (bert_dir if family == "bert" else llama_dir)(tmp_path)
+    work = tmp_path / "run"
+    done = _cli("--config", str(TINY), "--workdir", str(work), f"model.init_from=hf:{path}",
+                "train.progress=false", "train.steps=40", "checkpoint.every=20", "train.eval_every=20")
+    assert done.returncode == 0, done.stderr
+    assert "done: 40 steps" in done.stdout
+    assert (work / INIT_DIR / "config.json").read_bytes() == (path / "config.json").read_bytes()
+    assert (work / INIT_DIR / "LICENSE").is_file() == (family == "bert")
+    record = json.loads((work / "run.json").read_text())["init_from"]
+    assert record["kind"] == "hf" and record["model_type"] == family
+    saved = json.loads((work / "tokenizer" / "tokenizer_config.json").read_text())
+    assert saved["kind"] == "pretrained"
+    evaluated = _cli("evaluate", "--workdir", str(work))
+    assert evaluated.returncode == 0 and "test: accuracy" in evaluated.stdout, evaluated.stderr
+    predicted = _cli("predict", "--workdir", str(work), "3 4 5 3", "1 2")
+    assert predicted.returncode == 0 and len(predicted.stdout.strip().splitlines()) == 2, predicted.stderr
+    metrics = [json.loads(line) for line in (work / "metrics.jsonl").read_text().splitlines()]
+    losses = [m["loss"] for m in metrics if m.get("split") == "train" and "loss" in m]
+    assert losses and all(np.isfinite(losses))
