@@ -24,11 +24,16 @@ def leaves(tree: Any) -> dict[str, np.ndarray]:
     return {jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree_util.tree_leaves_with_path(tree)}
 
 
-def test_fresh_run_starts_from_the_source_encoder_with_a_fresh_head(reference_run, tmp_path):
+@pytest.mark.parametrize("strategy", ["single", "pmap", "sharded"])
+def test_fresh_run_starts_from_the_source_encoder_with_a_fresh_head(reference_run, tmp_path, strategy):
     source, _ = reference_run
     _, src_params, _, _ = load_for_inference(source, 10)
-    plan = run.plan_run(tiny_config(f"model.init_from={source}@10", "train.seed=7"), tmp_path / "new")
-    state = plan.initial_state()
+    plan = run.plan_run(tiny_config(f"model.init_from={source}@10", "train.seed=7",
+                                    f"parallel.strategy={strategy}", "parallel.mesh.fsdp=2"), tmp_path / "new")
+    state = plan.runner.unreplicate(plan.initial_state())
+    if strategy == "sharded":  # placed by the runner: the fsdp axis splits the embedding
+        assert not state.params["encoder"]["embedding"].sharding.is_fully_replicated
+    state = jax.device_get(state)
     new, old = leaves(state.params["encoder"]), leaves(src_params["encoder"])
     assert new.keys() == old.keys()
     for name in old:
@@ -55,6 +60,10 @@ def test_cli_fine_tunes_records_the_source_and_resume_keeps_its_checkpoint(refer
     assert main([*args[:-1], "train.steps=6"]) == 0
     plan = run.plan_run(run.config_for_workdir(None, ["train.steps=8"], work), work)
     assert plan.start_step == 6 and plan.init is not None and plan.init.encoder is None
+    # The run keeps its init_from: omitted, it is the run's own; another one is refused.
+    assert run.plan_run(tiny_config("train.steps=8"), work).config.model.init_from == str(source)
+    with pytest.raises(ConfigError, match=r"holds a run started from model\.init_from="):
+        run.plan_run(tiny_config("train.steps=8", f"model.init_from={source}@5"), work)
     _, params6, _, _ = load_for_inference(work, 6)
     assert not np.array_equal(params6["head"]["kernel"], params4["head"]["kernel"])
     assert main(["evaluate", "--workdir", str(work)]) == 0

@@ -9,7 +9,7 @@ pretrained part is exactly `Encoder`'s tree. What comes from the checkpoint:
 - the model's shape: every key of `model` that changes a parameter's shape or what the pretrained weights
   compute (widths, heads, layers, norms, activation, positions, biases, vocabulary, ...). A key the user
   sets to another value is refused in one line naming it and both values. The keys in FREE_KEYS (dropout,
-  pooling and head, dtypes, kernel, scan/remat, max_len within the checkpoint's learned positions) may be
+  pooling and head, dtypes, kernel, scan/remat, max_len within the checkpoint's positions) may be
   set; unset, they too come from the checkpoint (a BERT brings its dropout and its [CLS] pooler, a
   Llama-family model its last-token pooling);
 - the tokenizer: the run's `tokenizer/`, or the checkpoint's `tokenizer.json` (train.tokenizer
@@ -47,7 +47,7 @@ INIT_DIR = "init"  # <workdir>/init/: the source's config and license, copied wh
 
 # Keys of `model` (dotted below it) that neither change a parameter's shape nor what the pretrained
 # weights compute; every other key is the checkpoint's. vocab_size is the checkpoint's too (set after the
-# tokenizer resolves it), and max_len is checked against the checkpoint's learned positions.
+# tokenizer resolves it), and max_len is checked against the checkpoint's positions (learned or RoPE).
 FREE_KEYS = frozenset({
     "init_from", "max_len", "num_classes", "pooling", "pooler_activation", "embed_dropout", "scan_layers", "remat",
     "block.attn_dropout", "block.ffn_dropout", "block.residual_dropout", "block.attention",
@@ -115,7 +115,7 @@ def drop_file_shape(config: Config, overrides: list[str]) -> Config:
 def adopt(config: Config, source: Source) -> Config:
     """The config with the checkpoint's shape: unset model keys take the checkpoint's values; a set shape
     key that differs is refused (ConfigError naming it and both values); max_len must fit the
-    checkpoint's learned positions (unset, it is the smaller of the default and the checkpoint's)."""
+    checkpoint's positions (unset, it is the smaller of the default and the checkpoint's)."""
     src = source.model
     mine = _flat(config.model.model_dump(mode="json"))
     theirs = _flat(src.model_dump(mode="json"))
@@ -130,7 +130,9 @@ def adopt(config: Config, source: Source) -> Config:
                 f"model.{key}={mine[key]!r} contradicts the checkpoint of model.init_from={source.spec}, which has "
                 f"{value!r}: drop that setting (the model's shape comes from the checkpoint)")
         merged[key] = mine[key]
-    if src.positions == "learned":
+    # Learned positions end with the table; RoPE ends where the checkpoint's context (or sliding window,
+    # which full attention reproduces only within it) ends. Sinusoidal and no positions have no end.
+    if src.positions in ("learned", "rope"):
         if "max_len" not in given:
             merged["max_len"] = min(mine["max_len"], src.max_len)
         elif mine["max_len"] > src.max_len:
