@@ -192,8 +192,9 @@ def _run_source(spec: str) -> Source:
     if not path.is_dir():
         raise ConfigError(f"model.init_from={spec}: {path} is not a directory: {fix}")
     if not (path / CONFIG_FILE).is_file():
-        hint = f"; it holds config.json: write model.init_from=hf:{path}" if (path / "config.json").is_file() else ""
-        raise ConfigError(f"model.init_from={spec}: {path} holds no run ({CONFIG_FILE} missing){hint}: {fix}")
+        if (path / "config.json").is_file():
+            fix = f"it holds config.json, so write model.init_from=hf:{path} for a transformers checkpoint"
+        raise ConfigError(f"model.init_from={spec}: {path} holds no run ({CONFIG_FILE} missing): {fix}")
     try:
         raw = yaml.safe_load((path / CONFIG_FILE).read_text()) or {}
     except yaml.YAMLError:

@@ -34,10 +34,13 @@ def hf_source(spec: str) -> Source:
         raise ConfigError(f"model.init_from={spec}: {path} holds no config.json: pass a directory written by "
                           "save_pretrained")
     try:
+        import transformers
+
         from jaxblock.interop import hf
     except ImportError as err:
         raise ConfigError(f"model.init_from={spec} needs the hf extra ({err.name} is missing): "
                           "pip install -e '.[hf]'") from None
+    transformers.logging.set_verbosity_error()  # its config warnings are not the user's concern: we refuse or convert
     try:
         model, encoder, tokenizer_json, license_file = hf.load_pretrained(path)
         raw = json.loads((path / "config.json").read_text())
