@@ -19,7 +19,9 @@ import difflib
 import importlib
 import json
 import os
+import signal
 import sys
+import threading
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -204,6 +206,12 @@ def _unknown_command(argv: list[str]) -> str | None:
     return f"{program()}: unknown command '{argv[0]}'{hint}"
 
 
+def _silence_exit_noise() -> None:
+    """After the one line: Orbax's failed save threads log their tracebacks as the process ends."""
+    sys.stderr.flush()
+    os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
+
+
 def _stdout_closed() -> int:
     """The reader of our output left (`... | head`): stop quietly, as a Unix tool does."""
     devnull = os.open(os.devnull, os.O_WRONLY)
@@ -211,8 +219,26 @@ def _stdout_closed() -> int:
     return 0
 
 
+def _interrupted_early(signum: int, frame: Any) -> None:
+    print(f"interrupted during start-up ({signal.Signals(signum).name}): nothing was written", file=sys.stderr)
+    os._exit(130)
+
+
 def main(argv: list[str] | None = None) -> int:
+    whole_process = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
+    previous: dict[int, Any] = {}
+    if threading.current_thread() is threading.main_thread():
+        # Until the command's own policy is installed (train.interrupts), while the libraries import.
+        previous = {sig: signal.signal(sig, _interrupted_early) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return _main(argv, whole_process)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _main(argv: list[str], whole_process: bool) -> int:
     unknown = _unknown_command(argv)
     if unknown:
         print(unknown, file=sys.stderr)
@@ -239,7 +265,13 @@ def main(argv: list[str] | None = None) -> int:
         except BrokenPipeError:
             return _stdout_closed()
         except (ConfigError, DataError, CheckpointError, WorkdirError, WorkdirBusyError, DiskFullError) as err:
+            if isinstance(err, DiskFullError):
+                # Libraries flush their files on the full disk once more at exit (tensorboardX's atexit
+                # hook) and Python prints each failure as "Exception ignored in ...": the line below says it.
+                sys.unraisablehook = lambda unraisable: None
             print(f"error: {err}", file=sys.stderr)
+            if isinstance(err, DiskFullError) and whole_process:
+                _silence_exit_noise()
             return USAGE_EXIT
         except HaltError as err:
             print(f"error: {err}", file=sys.stderr)

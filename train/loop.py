@@ -24,6 +24,8 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -58,6 +60,26 @@ class _QuietFileHandler(logging.FileHandler):
 
 
 @contextlib.contextmanager
+def _stderr_to(path: Any) -> Any:
+    """File descriptor 2 (what threads and C code print) appended to `path` for the block, if it opens."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    except OSError:
+        fd = os.open(os.devnull, os.O_WRONLY)
+    saved = os.dup(2)
+    try:
+        sys.stderr.flush()
+        os.dup2(fd, 2)
+        yield
+    finally:
+        with contextlib.suppress(Exception):
+            sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(fd)
+
+
+@contextlib.contextmanager
 def library_errors_to(path: Any) -> Any:
     """Send absl's log records (Orbax's) to `path` instead of stderr for the block: the loop reports a
     failed save in one line itself."""
@@ -72,7 +94,8 @@ def library_errors_to(path: Any) -> Any:
     finally:
         logger.propagate = previous
         logger.removeHandler(handler)
-        handler.close()
+        with contextlib.suppress(OSError):  # the disk may be full: the run's own error is the one to report
+            handler.close()
 
 
 class HaltError(RuntimeError):
@@ -204,8 +227,8 @@ class Trainer:
             for resource in (self.progress, self.log, self.ckpts):
                 if resource is None:
                     continue
-                if failed:
-                    with contextlib.suppress(Exception):
+                if failed:  # best effort; what Orbax's failed save threads print goes to orbax.log
+                    with contextlib.suppress(Exception), _stderr_to(self.plan.workdir / LIBRARY_LOG):
                         resource.close()
                 elif resource is self.ckpts:
                     try:

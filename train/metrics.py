@@ -227,7 +227,13 @@ class MetricsLog:
         # A new file then takes the following events, so each step's events are on disk before the
         # checkpoint that covers them commits, exactly once.
         assert self._tb is not None
-        self._tb.close()
+        try:
+            self._tb.close()
+        except OSError as err:
+            full = no_space(err, Path(self._workdir) / TB_DIR)
+            if full is None:
+                raise
+            raise full from None
         self._open_tb()
 
     def close(self) -> None:
