@@ -212,7 +212,13 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     if "=" not in item:
         raise ConfigError(f"override '{item}' is not key=value: write e.g. optim.lr=3e-4")
     key, raw = item.split("=", 1)
-    return key.split("."), yaml.safe_load(raw) if raw else raw
+    if not key or "" in key.split("."):
+        raise ConfigError(f"override '{item}' has no key: write e.g. optim.lr=3e-4")
+    try:
+        return key.split("."), yaml.safe_load(raw) if raw else raw
+    except yaml.YAMLError as err:
+        raise ConfigError(f"override '{item}': the value is not valid YAML ({err.__class__.__name__}): quote it, "
+                          f"e.g. {key}='\"...\"'") from None
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:

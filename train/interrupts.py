@@ -104,6 +104,11 @@ class Interrupts:
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         self.signals += 1
         name = signal.Signals(signum).name
+        if self._critical and self._graceful and not self.stop_requested:
+            # The first signal in the training loop only asks for a stop, also while a save is committing.
+            self.stop_requested = True
+            self._say(f"{name}: stopping after this step and saving a checkpoint (again to stop now)")
+            return
         if self._critical:
             if self.signals >= 3:
                 self._say(f"{name} again: leaving now; the save in progress is abandoned (never used), the "
