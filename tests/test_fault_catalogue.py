@@ -51,7 +51,23 @@ def env() -> dict[str, str]:
 
 
 def start(workdir: Path, args: tuple[str, ...]) -> subprocess.Popen:
-    return subprocess.Popen(cli(workdir, args), env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    """The run, its stderr going to `<workdir>.stderr` (readable while it runs) and stdout to a pipe."""
+    err = open(f"{workdir}.stderr", "w")  # noqa: SIM115 (the child holds it; closed in finish)
+    proc = subprocess.Popen(cli(workdir, args), env=env(), stdout=subprocess.PIPE, stderr=err, text=True)
+    proc.err_file = err  # type: ignore[attr-defined]
+    proc.err_path = Path(err.name)  # type: ignore[attr-defined]
+    return proc
+
+
+def finish(proc: subprocess.Popen, timeout: float = 300) -> tuple[str, str]:
+    out, _ = proc.communicate(timeout=timeout)
+    proc.err_file.close()  # type: ignore[attr-defined]
+    return out, proc.err_path.read_text()  # type: ignore[attr-defined]
+
+
+def compiling(proc: subprocess.Popen):
+    """The run printed its data line: the next thing it does is compile the first step."""
+    return lambda: "data: " in proc.err_path.read_text()  # type: ignore[attr-defined]
 
 
 def wait_for(predicate, proc: subprocess.Popen, timeout: float = 300) -> None:
@@ -150,7 +166,7 @@ def test_a_second_run_on_a_busy_workdir_is_refused_and_readers_still_work(tmp_pa
     assert evaluated.returncode == 0, evaluated.stderr
     assert evaluated.stdout.startswith("validation: accuracy ")
     first.send_signal(signal.SIGINT)
-    _, err = first.communicate(timeout=300)
+    _, err = finish(first)
     assert first.returncode == 0, err
     clean(err)
     steps = [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl") if r["split"] == "train"]
@@ -215,7 +231,7 @@ def test_ctrl_c_at_start_up_is_one_line_and_writes_nothing(tmp_path):
     proc = start(tmp_path / "w", ARGS)
     time.sleep(0.5)  # inside the imports
     proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=120)
+    _, err = finish(proc, 120)
     assert proc.returncode == 130
     clean(err)
     assert err.count("\n") == 1 and err.startswith("interrupted during start-up")
@@ -232,12 +248,12 @@ def stopped_summary(workdir: Path) -> dict:
 @pytest.mark.parametrize("when", ["compile", "step"])
 def test_ctrl_c_once_saves_writes_the_summary_and_the_rerun_continues_exactly(whole, tmp_path, when):
     proc = start(tmp_path, ARGS)
-    if when == "compile":  # the run's files are written just before the first step compiles
-        wait_for(lambda: (tmp_path / "run.json").is_file(), proc)
+    if when == "compile":
+        wait_for(compiling(proc), proc)
     else:
         wait_for(train_steps_at_least(tmp_path, 7), proc)
     proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=300)
+    out, err = finish(proc)
     assert proc.returncode == 0, err
     clean(err)
     one_line(err, "SIGINT: stopping after this step and saving a checkpoint")
@@ -252,13 +268,13 @@ def test_ctrl_c_once_saves_writes_the_summary_and_the_rerun_continues_exactly(wh
 def test_ctrl_c_twice_stops_now_and_keeps_the_last_checkpoint(whole, tmp_path, when):
     proc = start(tmp_path, ARGS)
     if when == "compile":
-        wait_for(lambda: (tmp_path / "run.json").is_file(), proc)
+        wait_for(compiling(proc), proc)
     else:
         wait_for(train_steps_at_least(tmp_path, 7), proc)
     proc.send_signal(signal.SIGINT)
     time.sleep(0.05)
     proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=300)
+    _, err = finish(proc)
     assert proc.returncode in (130, 0), err  # 0: the first stop had finished before the second arrived
     clean(err)
     if proc.returncode == 130:
@@ -275,7 +291,7 @@ def test_ctrl_c_during_a_save_finishes_it(whole_wide, tmp_path, times):
     for _ in range(times):
         proc.send_signal(signal.SIGINT)
         time.sleep(0.05)
-    _, err = proc.communicate(timeout=300)
+    _, err = finish(proc)
     assert proc.returncode in ((0,) if times == 1 else (0, 130)), err  # 0: the stop finished before the 2nd
     clean(err)
     assert latest_step(tmp_path) is not None and latest_step(tmp_path) >= 10  # the save in progress completed

@@ -120,7 +120,10 @@ def cmd_train(argv: list[str], interrupts: Any = None) -> int:
 
 
 def cmd_evaluate(argv: list[str], interrupts: Any = None) -> int:
-    args = _evaluate_parser().parse_intermixed_args(argv)
+    # key=value words are overrides wherever they stand (also after --split's list of names).
+    overrides = [a for a in argv if "=" in a and not a.startswith("-")]
+    args = _evaluate_parser().parse_args([a for a in argv if a not in overrides])
+    args.overrides = overrides
     from train.inference import TrainedRun
 
     trained = TrainedRun.load(args.workdir, args.step, overrides=args.overrides)
