@@ -316,7 +316,7 @@ def test_disk_full_during_a_save_is_one_line_and_the_rerun_continues(whole, tmp_
         assert failed.returncode == 2, failed.stderr
         clean(failed.stderr)
         line = one_line(failed.stderr, "error: disk full while")
-        assert line.endswith("free space and rerun the same command to continue from the newest complete checkpoint")
+        assert "free space and rerun the same command to continue" in line  # a save or a metrics write
         assert committed_steps(workdir / "checkpoints") == [5]
         params(workdir)  # the older checkpoint is intact
         subprocess.run(["mount", "-o", "remount,size=16m", str(mount)], check=True)

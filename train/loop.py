@@ -22,6 +22,7 @@ hosts, placement and every gather). It knows nothing about the objective, the da
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import logging
 import os
@@ -59,6 +60,21 @@ class _QuietFileHandler(logging.FileHandler):
         pass
 
 
+class _NoiseFile(io.TextIOBase):
+    """A write-only text stream appending to a file, that never fails (it may be on the full disk)."""
+
+    def __init__(self, path: Any):
+        self.path = path
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        with contextlib.suppress(OSError), open(self.path, "a", encoding="utf-8", errors="replace") as f:
+            f.write(text)
+        return len(text)
+
+
 @contextlib.contextmanager
 def _stderr_to(path: Any) -> Any:
     """File descriptor 2 (what threads and C code print) appended to `path` for the block, if it opens."""
@@ -86,12 +102,16 @@ def library_errors_to(path: Any) -> Any:
     logger = logging.getLogger("absl")
     handler = _QuietFileHandler(path, delay=True)
     handler.setLevel(logging.WARNING)
-    previous = logger.propagate
+    previous, previous_stderr = logger.propagate, sys.stderr
     logger.addHandler(handler)
     logger.propagate = False
+    # What library threads print through sys.stderr (TensorStore's "Event loop is closed" after a failed
+    # save) goes to the same file; the run's own lines keep the terminal's stream (Progress, Interrupts).
+    sys.stderr = _NoiseFile(path)
     try:
         yield
     finally:
+        sys.stderr = previous_stderr
         logger.propagate = previous
         logger.removeHandler(handler)
         with contextlib.suppress(OSError):  # the disk may be full: the run's own error is the one to report
@@ -168,6 +188,7 @@ class Trainer:
         self.plan, self.cfg = plan, plan.config
         self.task, self.batches, self.runner = plan.task, plan.batches, plan.runner
         self.interrupts = interrupts if interrupts is not None else Interrupts(install=False)
+        self.terminal = sys.stderr  # the run's own lines go here while library noise goes to orbax.log
         self.primary = is_primary()
         self.base_key = jax.random.key(self.cfg.train.seed)
         self.pending: list[tuple[int, Any]] = []  # (step, dispatched metrics) not yet fetched
@@ -270,7 +291,7 @@ class Trainer:
             state = plan.initial_state()
         self.log = MetricsLog(plan.workdir, plan.start_step, enabled=self.primary)
         self.progress = Progress(cfg.train.steps, plan.start_step, bar=self.primary and cfg.train.progress,
-                                 lines=self.primary)
+                                 lines=self.primary, stream=self.terminal)
         for note in notes:
             self.say(note)
         self.say(f"{plan.dataset.summary()}; run in {plan.workdir}"
