@@ -25,9 +25,12 @@ TINY = str(ROOT / "configs/tiny.yaml")
 
 
 def snapshot(directory: Path) -> dict[str, tuple[str, int]]:
-    """Every path under `directory` with its content hash (files) and modification time."""
+    """Every path under `directory` with its content hash (files) and modification time; not `.lock`, which
+    names whichever command last held the workdir (the workdir is locked before its run is read)."""
     out = {}
     for path in sorted(directory.rglob("*")):
+        if path.name == ".lock":
+            continue
         digest = hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else "dir"
         out[str(path.relative_to(directory))] = (digest, path.stat().st_mtime_ns)
     out["."] = ("dir", directory.stat().st_mtime_ns)
@@ -151,19 +154,20 @@ def test_evaluate_predict_and_rerun_of_a_finished_run(reference_run, tmp_path, c
     assert main(["evaluate", "--workdir", str(trained)]) == 0
     out = capsys.readouterr().out.splitlines()
     assert [line.split(":")[0] for line in out] == ["validation", "test"]
-    assert out[0].endswith("(100 examples)")
+    assert out[0].endswith("(100 examples, checkpoint 10)")
     # The checkpoint evaluated is the one the run tested (the latest: the run keeps no best).
     assert out[1].startswith(f"test: accuracy {summary['test_accuracy']:.4f} loss {summary['test_loss']:.4f}")
 
     texts = ["3 5 7 3", "4 6 8"]
     assert main(["predict", "--workdir", str(trained), *texts]) == 0
-    rows = [line.split("\t") for line in capsys.readouterr().out.splitlines()]
+    header, *rows = [line.split("\t") for line in capsys.readouterr().out.splitlines()]
+    assert header == ["label", "probability", "truncated", "text"]
     # Recomputed here from the checkpoint: the softmax of the classifier's logits, argmax and its probability.
     config, params, tokenizer, labels = load_for_inference(trained)
     batch = encode_texts(tokenizer, texts, config.data.max_len, config.data.buckets)
     logits = CLASSIFICATION.build_model(config.model).apply({"params": params}, batch["tokens"], batch["valid_tokens"])
     probs = np.asarray(jax.nn.softmax(logits, axis=-1))
-    assert rows == [[labels[int(p.argmax())], f"{p.max():.4f}", t] for p, t in zip(probs, texts, strict=True)]
+    assert rows == [[labels[int(p.argmax())], f"{p.max():.4f}", "no", t] for p, t in zip(probs, texts, strict=True)]
 
     before = snapshot(trained / "checkpoints")
     assert main(["--workdir", str(trained), *FAST]) == 0  # finished: re-reports, trains nothing

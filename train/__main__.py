@@ -7,17 +7,23 @@
     python -m train study-ln ...                                    the Pre-LN vs Post-LN study
     python -m train schema                                          every config key with its default
 
-Exit codes: 0 success; 1 a check failed or the run halted on non-finite values; 2 bad input or usage
-(one line on stderr, nothing written).
+Exit codes: 0 success; 1 a check failed or the run halted on non-finite values; 2 bad input, usage, a busy
+workdir, a damaged checkpoint or a full disk (one line on stderr, nothing already written lost); 130
+interrupted (Ctrl-C/SIGTERM outside the training loop, or a second one inside it; see train/interrupts.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
+import json
+import os
+import signal
 import sys
+import threading
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 USAGE_EXIT = 2
 HALT_EXIT = 1
@@ -26,8 +32,10 @@ _EPILOG = """\
 commands:
   (none)     train: --config C --workdir W [overrides]; rerunning the same command resumes W from its
              latest complete checkpoint; --config may be omitted to continue with W's saved config
-  evaluate   --workdir W [--split validation|test|train ...] [--step S]: accuracy and loss
-  predict    --workdir W TEXT [TEXT ...]: predicted label and its probability for each text
+  evaluate   --workdir W [--split validation|test|train ...] [--step S] [key=value ...]: accuracy and
+             loss; overrides fix what changed since training, e.g. data.path=/new/place/reviews.csv
+  predict    --workdir W [--step S] [--json] (TEXT ... | - | --file F): label and probability per text;
+             `-` reads standard input and --file a file, one text per line
   diagnose   the debugging-path checks on a config's model or a checkpoint (see diagnose --help)
   study-ln   the Pre-LN vs Post-LN study (see study-ln --help)
   schema     print every config key with its default and description (Markdown)
@@ -38,9 +46,17 @@ train.steps=2000 data.source=file data.path=reviews.csv
 files in a workdir: config.yaml (resolved config), run.json (versions, devices, git commit per
 session), tokenizer/, checkpoints/ (Orbax), metrics.jsonl, tb/ (TensorBoard), curves.png, summary.json
 
-exit codes: 0 success; 1 a check failed or a run halted on non-finite values; 2 bad input or usage
-(one line on stderr; an existing workdir is left unchanged)
+exit codes: 0 success (also a run stopped by one Ctrl-C/SIGTERM: it saved; rerun to continue); 1 a check
+failed or a run halted on non-finite values; 2 bad input or usage, a workdir in use by another run, a
+damaged checkpoint with no good one, a full disk (one line on stderr; nothing already written is lost);
+130 interrupted before training started, or a second Ctrl-C (the last complete checkpoint stays intact)
 """
+
+
+def program() -> str:
+    """The name the user typed: `jaxblock` for the installed script, `python -m train` otherwise."""
+    name = Path(sys.argv[0]).name if sys.argv and sys.argv[0] else ""
+    return "python -m train" if name in ("", "__main__.py", "-c", "-m") or name.startswith("python") else name
 
 
 class _Parser(argparse.ArgumentParser):
@@ -51,7 +67,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _train_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m train", description="Train a jaxblock classifier from a YAML config.",
+    p = _Parser(prog=program(), description="Train a jaxblock classifier from a YAML config.",
                 epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", help="YAML config (see configs/); omit to continue a run with its saved config")
     p.add_argument("--workdir", required=True, help="run directory: created, or resumed if it holds a run")
@@ -60,18 +76,22 @@ def _train_parser() -> argparse.ArgumentParser:
 
 
 def _evaluate_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m train evaluate", description="Accuracy and loss of a trained run's checkpoint.")
+    p = _Parser(prog=f"{program()} evaluate", description="Accuracy and loss of a trained run's checkpoint.")
     p.add_argument("--workdir", required=True, help="a trained run directory")
     p.add_argument("--split", nargs="+", default=["validation", "test"], choices=["train", "validation", "test"])
     p.add_argument("--step", type=int, help="checkpoint step (default: best if kept, else latest)")
+    p.add_argument("overrides", nargs="*", metavar="key.path=value",
+                   help="change the saved config for this evaluation, e.g. data.path=/moved/reviews.csv")
     return p
 
 
 def _predict_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m train predict", description="Classify texts with a trained run's checkpoint.")
+    p = _Parser(prog=f"{program()} predict", description="Classify texts with a trained run's checkpoint.")
     p.add_argument("--workdir", required=True, help="a trained run directory")
     p.add_argument("--step", type=int, help="checkpoint step (default: best if kept, else latest)")
-    p.add_argument("texts", nargs="+", metavar="TEXT", help="texts to classify")
+    p.add_argument("--file", help="classify each line of this file (one text per line)")
+    p.add_argument("--json", action="store_true", help="one JSON object per text instead of a table")
+    p.add_argument("texts", nargs="*", metavar="TEXT", help="texts to classify; - reads them from standard input")
     return p
 
 
@@ -82,13 +102,13 @@ def _quiet_libraries() -> None:
     absl.logging.set_verbosity(absl.logging.ERROR)
 
 
-def cmd_train(argv: list[str]) -> int:
+def cmd_train(argv: list[str], interrupts: Any = None) -> int:
     args = _train_parser().parse_intermixed_args(argv)  # overrides before or after the flags
     from train import run
     from train.parallel import is_primary
 
     workdir = Path(args.workdir)
-    summary = run.train(run.config_for_workdir(args.config, args.overrides, workdir), workdir)
+    summary = run.train(run.config_for_workdir(args.config, args.overrides, workdir), workdir, interrupts=interrupts)
     if not is_primary():  # one process speaks for a multi-host run
         return 0
     if summary.get("preempted"):
@@ -99,30 +119,64 @@ def cmd_train(argv: list[str]) -> int:
     return 0
 
 
-def cmd_evaluate(argv: list[str]) -> int:
-    args = _evaluate_parser().parse_args(argv)
+def cmd_evaluate(argv: list[str], interrupts: Any = None) -> int:
+    # key=value words are overrides wherever they stand (also after --split's list of names).
+    overrides = [a for a in argv if "=" in a and not a.startswith("-")]
+    args = _evaluate_parser().parse_args([a for a in argv if a not in overrides])
+    args.overrides = overrides
     from train.inference import TrainedRun
 
-    trained = TrainedRun.load(args.workdir, args.step)
+    trained = TrainedRun.load(args.workdir, args.step, overrides=args.overrides)
+    for note in trained.notes:
+        print(note, file=sys.stderr)
     for name in args.split:
         result = trained.evaluate(name)
         print(f"{name}: accuracy {result['accuracy']:.4f} loss {result['loss']:.4f} "
-              f"({int(result['examples'])} examples)")
+              f"({int(result['examples'])} examples, checkpoint {trained.step})")
     return 0
 
 
-def cmd_predict(argv: list[str]) -> int:
+def _read_texts(args: argparse.Namespace) -> list[str]:
+    from train.sources import DataError
+
+    texts: list[str] = []
+    for text in args.texts:
+        texts += sys.stdin.read().splitlines() if text == "-" else [text]
+    if args.file is not None:
+        try:
+            texts += Path(args.file).read_text(encoding="utf-8").splitlines()
+        except (OSError, UnicodeDecodeError) as err:
+            raise DataError(f"cannot read --file {args.file} ({getattr(err, 'strerror', None) or err}): pass a "
+                            "readable UTF-8 text file, one text per line") from None
+    if not texts:
+        raise DataError("no text to classify: pass texts, - (standard input) or --file F")
+    return texts
+
+
+def cmd_predict(argv: list[str], interrupts: Any = None) -> int:
     args = _predict_parser().parse_args(argv)
+    texts = _read_texts(args)
     from train.inference import TrainedRun
 
-    predictions = TrainedRun.load(args.workdir, args.step).predict(args.texts)
-    for text, prediction in zip(args.texts, predictions, strict=True):
-        print(f"{prediction.label}\t{prediction.probability:.4f}\t{text}")
+    trained = TrainedRun.load(args.workdir, args.step)
+    for note in trained.notes:
+        print(note, file=sys.stderr)
+    predictions = trained.predict(texts, strict=False)
+    if not args.json:
+        print("label\tprobability\ttruncated\ttext")
+    for text, p in zip(texts, predictions, strict=True):
+        if args.json:
+            print(json.dumps({"text": text, "label": p.label, "probability": p.probability,
+                              "probabilities": p.probabilities, "truncated": p.truncated, "error": p.error}))
+        elif p.error:
+            print(f"-\t-\t-\t{text}\t(error: {p.error})")
+        else:
+            print(f"{p.label}\t{p.probability:.4f}\t{'yes' if p.truncated else 'no'}\t{text}")
     return 0
 
 
-def cmd_schema(argv: list[str]) -> int:
-    _Parser(prog="python -m train schema", description="Print every config key (Markdown table).").parse_args(argv)
+def cmd_schema(argv: list[str], interrupts: Any = None) -> int:
+    _Parser(prog=f"{program()} schema", description="Print every config key (Markdown table).").parse_args(argv)
     from train.config import schema_table
 
     print(schema_table())
@@ -134,11 +188,11 @@ def _delegate(module: str, argv: list[str]) -> int:
     return int(importlib.import_module(module).main(argv))
 
 
-def cmd_diagnose(argv: list[str]) -> int:
+def cmd_diagnose(argv: list[str], interrupts: Any = None) -> int:
     return _delegate("train.diagnose", argv)
 
 
-def cmd_study(argv: list[str]) -> int:
+def cmd_study(argv: list[str], interrupts: Any = None) -> int:
     return _delegate("train.study", argv)
 
 
@@ -146,8 +200,52 @@ COMMANDS = {"evaluate": cmd_evaluate, "predict": cmd_predict, "schema": cmd_sche
             "study-ln": cmd_study, "train": cmd_train}
 
 
+def _unknown_command(argv: list[str]) -> str | None:
+    """A first word that is neither a flag, an override (key=value) nor a command: a misspelt command."""
+    if not argv or argv[0].startswith("-") or "=" in argv[0] or argv[0] in COMMANDS:
+        return None
+    close = difflib.get_close_matches(argv[0], list(COMMANDS), n=1)
+    hint = f" (did you mean '{close[0]}'?)" if close else f" (commands: {', '.join(COMMANDS)})"
+    return f"{program()}: unknown command '{argv[0]}'{hint}"
+
+
+def _silence_exit_noise() -> None:
+    """After the one line: Orbax's failed save threads log their tracebacks as the process ends."""
+    sys.stderr.flush()
+    os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
+
+
+def _stdout_closed() -> int:
+    """The reader of our output left (`... | head`): stop quietly, as a Unix tool does."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())  # the interpreter's final flush must not fail again
+    return 0
+
+
+def _interrupted_early(signum: int, frame: Any) -> None:
+    print(f"interrupted during start-up ({signal.Signals(signum).name}): nothing was written", file=sys.stderr)
+    os._exit(130)
+
+
 def main(argv: list[str] | None = None) -> int:
+    whole_process = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
+    previous: dict[int, Any] = {}
+    if threading.current_thread() is threading.main_thread():
+        # Until the command's own policy is installed (train.interrupts), while the libraries import.
+        previous = {sig: signal.signal(sig, _interrupted_early) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return _main(argv, whole_process)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _main(argv: list[str], whole_process: bool) -> int:
+    unknown = _unknown_command(argv)
+    if unknown:
+        print(unknown, file=sys.stderr)
+        return USAGE_EXIT
     if argv and argv[0] in COMMANDS:
         command, argv = COMMANDS[argv[0]], argv[1:]
     else:
@@ -155,18 +253,34 @@ def main(argv: list[str] | None = None) -> int:
     _quiet_libraries()
     from train.checkpoint import CheckpointError
     from train.config import ConfigError
+    from train.interrupts import run_interruptible
     from train.loop import HaltError
+    from train.metrics import DiskFullError
     from train.run import WorkdirError
     from train.sources import DataError
+    from train.workdir_lock import WorkdirBusyError
 
-    try:
-        return command(argv)
-    except (ConfigError, DataError, CheckpointError, WorkdirError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return USAGE_EXIT
-    except HaltError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return HALT_EXIT
+    def run(interrupts: Any) -> int:
+        try:
+            code = command(argv, interrupts)
+            sys.stdout.flush()
+            return code
+        except BrokenPipeError:
+            return _stdout_closed()
+        except (ConfigError, DataError, CheckpointError, WorkdirError, WorkdirBusyError, DiskFullError) as err:
+            if isinstance(err, DiskFullError):
+                # Libraries flush their files on the full disk once more at exit (tensorboardX's atexit
+                # hook) and Python prints each failure as "Exception ignored in ...": the line below says it.
+                sys.unraisablehook = lambda unraisable: None
+            print(f"error: {err}", file=sys.stderr)
+            if isinstance(err, DiskFullError) and whole_process:
+                _silence_exit_noise()
+            return USAGE_EXIT
+        except HaltError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return HALT_EXIT
+
+    return run_interruptible(run)
 
 
 if __name__ == "__main__":

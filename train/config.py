@@ -6,6 +6,7 @@ Unknown keys and bad values are one-line errors naming the key (see `load_config
 
 from __future__ import annotations
 
+import difflib
 from pathlib import Path
 from typing import Any, Literal
 
@@ -226,7 +227,13 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     if "=" not in item:
         raise ConfigError(f"override '{item}' is not key=value: write e.g. optim.lr=3e-4")
     key, raw = item.split("=", 1)
-    return key.split("."), yaml.safe_load(raw) if raw else raw
+    if not key or "" in key.split("."):
+        raise ConfigError(f"override '{item}' has no key: write e.g. optim.lr=3e-4")
+    try:
+        return key.split("."), yaml.safe_load(raw) if raw else raw
+    except yaml.YAMLError as err:
+        raise ConfigError(f"override '{item}': the value is not valid YAML ({err.__class__.__name__}): quote it, "
+                          f"e.g. {key}='\"...\"'") from None
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
@@ -241,11 +248,27 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return data
 
 
+def _did_you_mean(err: ValidationError) -> str:
+    """' (did you mean 'optim.lr'?)' for a misspelt key, from the keys of the section it sits in."""
+    first = err.errors()[0]
+    if first.get("type") != "extra_forbidden":
+        return ""
+    *section, name = (str(p) for p in first.get("loc", ()))
+    model: type[BaseModel] = Config
+    for part in section:
+        ann = model.model_fields[part].annotation if part in model.model_fields else None
+        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
+            return ""
+        model = ann
+    close = difflib.get_close_matches(name, list(model.model_fields), n=1)
+    return f" (did you mean '{'.'.join([*section, close[0]])}'?)" if close else ""
+
+
 def config_from_dict(data: dict[str, Any]) -> Config:
     try:
         return Config.model_validate(data)
     except ValidationError as err:
-        raise ConfigError(f"config: {format_validation_error(err)}") from None
+        raise ConfigError(f"config: {format_validation_error(err)}{_did_you_mean(err)}") from None
 
 
 def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:
@@ -265,6 +288,13 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
     return config_from_dict(apply_overrides(data, overrides or []))
 
 
+# Keys that training sets from the data (the value in a config is replaced; config.yaml shows the result).
+_FROM_DATA = {
+    "model.vocab_size": " Set by training from the data: the tokenizer's vocabulary size.",
+    "model.num_classes": " Set by training from the data: the number of distinct labels.",
+}
+
+
 def schema_table() -> str:
     """Markdown table of every key with its default and description (for the README)."""
     rows = ["| key | default | description |", "| --- | --- | --- |"]
@@ -276,7 +306,7 @@ def schema_table() -> str:
                 walk(ann, f"{prefix}{name}.")
                 continue
             default = field.get_default(call_default_factory=True)
-            desc = (field.description or "").replace("|", "\\|")
+            desc = (field.description or "").replace("|", "\\|") + _FROM_DATA.get(f"{prefix}{name}", "")
             rows.append(f"| `{prefix}{name}` | `{default!r}` | {desc} |")
 
     walk(Config, "")

@@ -66,7 +66,8 @@ class Dataset:
         """One line for the run log: sizes, classes, tokenizer, truncation."""
         sizes = ", ".join(f"{name} {len(getattr(self, name))}" for name in ("train", "validation", "test"))
         cut = ", ".join(f"{k} {v}" for k, v in self.truncated.items())
-        return (f"data: {sizes}; classes {self.label_names}; tokenizer {self.tokenizer.kind} "
+        kind = "id: the synthetic rows' integers" if self.tokenizer.kind == "id" else self.tokenizer.kind
+        return (f"data: {sizes}; classes {self.label_names}; tokenizer {kind} "
                 f"(vocab {self.tokenizer.vocab_size}); truncated to max_len: {cut}")
 
 

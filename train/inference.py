@@ -19,13 +19,25 @@ from typing import Any
 
 import jax
 import numpy as np
+import orbax.checkpoint as ocp
 
 from train import data
 from train.batches import InMemoryBatches
-from train.checkpoint import TOKENIZER_DIR, inference_state, load_for_inference
-from train.config import Config
+from train.checkpoint import (
+    CHECKPOINT_DIR,
+    TOKENIZER_DIR,
+    CheckpointError,
+    _reader,
+    best_or_latest,
+    check_compatible,
+    inference_state,
+    read_run_config,
+)
+from train.checkpoint_repair import committed_steps, describe_damage, quiet_stderr, restore_newest_good
+from train.config import Config, apply_overrides, config_from_dict
 from train.loop import evaluate
 from train.parallel import make_runner
+from train.state import init_params
 from train.tasks import CLASSIFICATION, Task
 from train.tokenizer import Tokenizer
 
@@ -37,40 +49,110 @@ class Prediction:
     label: str
     probability: float
     probabilities: dict[str, float]
+    truncated: bool = False  # the text had more than data.max_len tokens; only the first max_len were read
+    error: str | None = None  # why there is no prediction (e.g. an empty text); label "" and probability 0
+
+
+def restore_for_inference(workdir: Path, step: int | None = None, overrides: list[str] | None = None
+                          ) -> tuple[Config, Any, list[str], int, list[str]]:
+    """(config, params, label names, step, notes) of a run's checkpoint, read-only (no lock, nothing moved),
+    so it works while the run trains.
+
+    `step` None: the best checkpoint when kept, else the latest; if that one is damaged, the newest that
+    restores, with a note naming the damage. A missing `step` lists the steps that exist; a damaged one
+    names the newest that restores. `overrides` (key=value) change the saved config, e.g. a moved
+    data.path. Errors are one-line CheckpointErrors.
+    """
+    if not workdir.is_dir():
+        raise CheckpointError(f"workdir {workdir} does not exist: pass the --workdir of a trained run")
+    config = read_run_config(workdir)
+    if overrides:
+        config = config_from_dict(apply_overrides(config.model_dump(mode="json"), list(overrides)))
+    directory = (workdir / CHECKPOINT_DIR).absolute()
+    steps = committed_steps(directory)
+    if not steps:
+        raise CheckpointError(f"no checkpoint in {workdir}: train first with python -m train "
+                              f"--config CONFIG --workdir {workdir}")
+    if step is not None and step not in steps:
+        raise CheckpointError(f"no checkpoint {step} in {workdir}: it has checkpoints "
+                              f"{', '.join(map(str, steps))}; pass one of them to --step")
+    model = CLASSIFICATION.build_model(config.model)
+    shapes = jax.eval_shape(lambda: init_params(model, 0, config.data.buckets[-1]))
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=device), shapes)
+    with _reader(directory, config.checkpoint) as manager:
+        chosen = step if step is not None else best_or_latest(manager, config.checkpoint)
+
+        def restore(s: int) -> Any:
+            check_compatible(workdir, s, shapes)
+            return manager.restore(s, args=ocp.args.Composite(
+                params=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()))
+
+        with quiet_stderr():
+            try:
+                restored = restore(chosen)
+                return config, restored["params"], list(restored["meta"]["label_names"]), chosen, []
+            except Exception as err:
+                reason = describe_damage(err, directory / str(chosen))
+                if reason is None:
+                    raise
+        others = [s for s in steps if s != chosen]
+        found = restore_newest_good(directory, restore, steps=others, primary=False) if others else None
+        if found is None or found.step is None:
+            raise CheckpointError(f"checkpoint {chosen} in {workdir} is damaged ({reason}) and no other "
+                                  "checkpoint restores: train again in a new --workdir")
+        if step is not None:
+            raise CheckpointError(f"checkpoint {chosen} in {workdir} is damaged ({reason}): pass --step "
+                                  f"{found.step}, the newest that restores")
+        note = (f"checkpoint {chosen} is damaged ({reason}); using checkpoint {found.step} (the next training "
+                "run on this workdir moves the damaged one aside)")
+        return config, found.value["params"], list(found.value["meta"]["label_names"]), found.step, [note]
 
 
 class TrainedRun:
     """A run's model, parameters and tokenizer, restored for inference (build with `TrainedRun.load`)."""
 
     def __init__(self, workdir: Path, config: Config, params: Any, tokenizer: Tokenizer, label_names: list[str],
-                 step: int | None, task: Task = CLASSIFICATION):
+                 step: int | None, task: Task = CLASSIFICATION, notes: list[str] | None = None):
         self.workdir, self.config, self.params = workdir, config, params
         self.tokenizer, self.label_names, self.step, self.task = tokenizer, label_names, step, task
+        self.notes = list(notes or [])  # one line per thing the user should know (a damaged checkpoint)
         self.model = task.build_model(config.model)
         self._dataset: data.Dataset | None = None
 
     @classmethod
-    def load(cls, workdir: str | Path, step: int | None = None, task: Task = CLASSIFICATION) -> TrainedRun:
+    def load(cls, workdir: str | Path, step: int | None = None, task: Task = CLASSIFICATION,
+             overrides: list[str] | None = None) -> TrainedRun:
         """Restore checkpoint `step` of the run in `workdir` (default: the best when the run kept the
-        best ones, else the latest)."""
+        best ones, else the latest; a damaged one is skipped, see `restore_for_inference`)."""
         workdir = Path(workdir)
-        config, params, tokenizer, label_names = load_for_inference(workdir, step)
-        return cls(workdir, config, params, tokenizer, label_names, step, task)
+        config, params, label_names, used, notes = restore_for_inference(workdir, step, overrides)
+        tokenizer = data.load_tokenizer(workdir / TOKENIZER_DIR)
+        return cls(workdir, config, params, tokenizer, label_names, used, task, notes)
 
     @functools.cached_property
     def _outputs(self) -> Any:
         task, apply_fn = self.task, self.model.apply
         return jax.jit(lambda params, batch: task.predict(task.apply(apply_fn, params, batch, train=False, rng=None)))
 
-    def predict(self, texts: list[str]) -> list[Prediction]:
-        """One prediction per text (each truncated to data.max_len tokens). DataError on no or empty text."""
-        batch = data.encode_texts(self.tokenizer, list(texts), self.config.data.max_len, self.config.data.buckets)
+    def predict(self, texts: list[str], strict: bool = True) -> list[Prediction]:
+        """One prediction per text (each truncated to data.max_len tokens: `truncated` says so). An empty
+        text is a DataError when `strict`, else a Prediction with `error` set (the others still run)."""
+        texts, max_len = list(texts), self.config.data.max_len
+        lengths = [len(self.tokenizer.encode(t)) for t in texts]
+        good = [i for i, n in enumerate(lengths) if n > 0]
+        if strict or not texts:
+            data.encode_texts(self.tokenizer, texts, max_len, self.config.data.buckets)  # raises the DataError
+        out = [Prediction("", 0.0, {}, error="empty text") for _ in texts]
+        if not good:
+            return out
+        batch = data.encode_texts(self.tokenizer, [texts[i] for i in good], max_len, self.config.data.buckets)
         probs = np.asarray(self._outputs(self.params, batch)["probabilities"])  # [N, C]
-        out = []
-        for p in probs:
+        for i, p in zip(good, probs, strict=True):
             k = int(np.argmax(p))
-            out.append(Prediction(self.label_names[k], float(p[k]),
-                                  {name: float(q) for name, q in zip(self.label_names, p, strict=True)}))
+            out[i] = Prediction(self.label_names[k], float(p[k]),
+                                {name: float(q) for name, q in zip(self.label_names, p, strict=True)},
+                                truncated=lengths[i] > max_len)
         return out
 
     @property

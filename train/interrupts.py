@@ -27,6 +27,7 @@ every process stops at the same step; pass `install=False` there.
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import signal
 import sys
@@ -60,6 +61,7 @@ class Interrupts:
         self._wake_w: int | None = None
         self._previous_wakeup = -1
         self._seen = 0  # counted by the watcher thread as they arrive
+        self._redelivered = 0  # signals sent again by the handler (see _handle)
 
     # --- phases and sections -----------------------------------------------------------------------
 
@@ -104,6 +106,11 @@ class Interrupts:
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         self.signals += 1
         name = signal.Signals(signum).name
+        if self._critical and self._graceful and not self.stop_requested:
+            # The first signal in the training loop only asks for a stop, also while a save is committing.
+            self.stop_requested = True
+            self._say(f"{name}: stopping after this step and saving a checkpoint (again to stop now)")
+            return
         if self._critical:
             if self.signals >= 3:
                 self._say(f"{name} again: leaving now; the save in progress is abandoned (never used), the "
@@ -117,6 +124,13 @@ class Interrupts:
         if self._graceful and not self.stop_requested:
             self.stop_requested = True
             self._say(f"{name}: stopping after this step and saving a checkpoint (again to stop now)")
+            return
+        if frame is not None and any(getattr(cb, "__code__", None) is frame.f_code for cb in gc.callbacks):
+            # Inside a garbage-collector callback (JAX has one) an exception is printed as "Exception
+            # ignored" and lost: deliver the signal again a moment later, outside it.
+            self.signals -= 1
+            self._redelivered += 1
+            threading.Timer(0.01, os.kill, (os.getpid(), signum)).start()
             return
         raise Interrupted(name)
 
@@ -132,7 +146,7 @@ class Interrupts:
                 return
             self._seen += len(data)
             # Two signals the main thread has not run its handler for: it is stuck in a C call (a compile).
-            if self._seen - self.signals >= 2 and not self._critical and not self._graceful:
+            if self._seen - self._redelivered - self.signals >= 2 and not self._critical and not self._graceful:
                 self._say(f"interrupted during {self.phase}: nothing was being written; the workdir is as it was")
                 _exit_now()
 

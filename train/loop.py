@@ -12,13 +12,21 @@ hosts, placement and every gather). It knows nothing about the objective, the da
 - a non-finite step is skipped by the optimizer (optax.apply_if_finite); `train.nonfinite=halt` stops at
   the first one, `skip` after `train.max_nonfinite` in a row; a halt never saves and names the first
   non-finite block/sublayer (exit code 1);
-- SIGTERM/SIGINT finish the current step, save synchronously and return (exit code 0).
+- signals follow train.interrupts: the first SIGTERM/SIGINT finishes the current step, saves, writes
+  curves.png and summary.json for what was done and returns (exit code 0); a second stops at once, never
+  inside a checkpoint commit, so the last complete checkpoint stays intact;
+- a resumed run restores the newest checkpoint that reads back (a damaged newer one is moved aside and named
+  in one line, train.checkpoint_repair); a save that fails for lack of space is a one-line DiskFullError.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
-import signal
+import logging
+import os
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,8 +38,10 @@ import numpy as np
 
 from jaxblock.diagnostics import first_nonfinite, grad_norms_by_depth, residual_ratios
 from train.batches import BatchSource
-from train.checkpoint import Checkpoints
+from train.checkpoint import Checkpoints, check_compatible
+from train.checkpoint_repair import restore_newest_good, save_failed_for_space
 from train.config import Config
+from train.interrupts import Interrupts
 from train.metrics import MetricsLog, Progress, atomic_write, plot_curves, read_jsonl
 from train.parallel import Runner, is_primary
 from train.run import SUMMARY_FILE, Plan, prepare
@@ -40,6 +50,72 @@ from train.tasks import CLASSIFICATION, Task
 
 # Step metrics that are bookkeeping, not averaged into a log window.
 _COUNTERS = ("lr", "finite", "nonfinite_consecutive", "nonfinite_total", "tokens")
+LIBRARY_LOG = "orbax.log"  # Orbax's (absl) error logs, e.g. each save thread's traceback on a full disk
+
+
+class _QuietFileHandler(logging.FileHandler):
+    """A log file that never prints 'Logging error' tracebacks (it may be on the disk that is full)."""
+
+    def handleError(self, record: logging.LogRecord) -> None:  # noqa: N802 (logging's name)
+        pass
+
+
+class _NoiseFile(io.TextIOBase):
+    """A write-only text stream appending to a file, that never fails (it may be on the full disk)."""
+
+    def __init__(self, path: Any):
+        self.path = path
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        with contextlib.suppress(OSError), open(self.path, "a", encoding="utf-8", errors="replace") as f:
+            f.write(text)
+        return len(text)
+
+
+@contextlib.contextmanager
+def _stderr_to(path: Any) -> Any:
+    """File descriptor 2 (what threads and C code print) appended to `path` for the block, if it opens."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    except OSError:
+        fd = os.open(os.devnull, os.O_WRONLY)
+    saved = os.dup(2)
+    try:
+        sys.stderr.flush()
+        os.dup2(fd, 2)
+        yield
+    finally:
+        with contextlib.suppress(Exception):
+            sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def library_errors_to(path: Any) -> Any:
+    """Send absl's log records (Orbax's) to `path` instead of stderr for the block: the loop reports a
+    failed save in one line itself."""
+    logger = logging.getLogger("absl")
+    handler = _QuietFileHandler(path, delay=True)
+    handler.setLevel(logging.WARNING)
+    previous, previous_stderr = logger.propagate, sys.stderr
+    logger.addHandler(handler)
+    logger.propagate = False
+    # What library threads print through sys.stderr (TensorStore's "Event loop is closed" after a failed
+    # save) goes to the same file; the run's own lines keep the terminal's stream (Progress, Interrupts).
+    sys.stderr = _NoiseFile(path)
+    try:
+        yield
+    finally:
+        sys.stderr = previous_stderr
+        logger.propagate = previous
+        logger.removeHandler(handler)
+        with contextlib.suppress(OSError):  # the disk may be full: the run's own error is the one to report
+            handler.close()
 
 
 class HaltError(RuntimeError):
@@ -90,35 +166,6 @@ def _all_finite(tree: Any) -> jax.Array:
     return jnp.all(jnp.stack(leaves))
 
 
-class StopRequest:
-    """SIGTERM/SIGINT ask the loop to stop after the current step; a second signal interrupts at once.
-
-    With several processes, JAX's preemption sync point (through Orbax) decides instead, so that every
-    process stops at the same step.
-    """
-
-    def __init__(self) -> None:
-        self.signum: int | None = None
-        self._previous: dict[int, Any] = {}
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        if self.signum is not None:
-            for sig, handler in self._previous.items():
-                signal.signal(sig, handler)
-            raise KeyboardInterrupt
-        self.signum = signum
-
-    def __enter__(self) -> StopRequest:
-        if jax.process_count() == 1:
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                self._previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-
-
 @dataclass(frozen=True)
 class Every:
     """Periodic work after step `done`: when `every` divides it, at the last step (`at_end`) and when the
@@ -137,13 +184,15 @@ class Every:
 class Trainer:
     """One session of a run (from `plan.start_step` to `train.steps`)."""
 
-    def __init__(self, plan: Plan):
+    def __init__(self, plan: Plan, interrupts: Interrupts | None = None):
         self.plan, self.cfg = plan, plan.config
         self.task, self.batches, self.runner = plan.task, plan.batches, plan.runner
+        self.interrupts = interrupts if interrupts is not None else Interrupts(install=False)
+        self.terminal = sys.stderr  # the run's own lines go here while library noise goes to orbax.log
         self.primary = is_primary()
         self.base_key = jax.random.key(self.cfg.train.seed)
         self.pending: list[tuple[int, Any]] = []  # (step, dispatched metrics) not yet fetched
-        self.window: dict[str, float] = {}
+        self.window: dict[str, float] = {}  # sums since the last log row; saved in each checkpoint
         self.window_start = time.perf_counter()
         self.val: dict[str, float] | None = None  # validation of the step just done, if it ran one
         self.ckpts: Checkpoints | None = None
@@ -151,58 +200,102 @@ class Trainer:
         self.progress: Progress | None = None
 
     def train(self) -> dict[str, Any]:
-        plan, tcfg = self.plan, self.cfg.train
+        plan, tcfg, interrupts = self.plan, self.cfg.train, self.interrupts
         t0 = time.perf_counter()
-        if self.primary:
-            prepare(plan)
-        try:
-            state = self.open()
-            actions = [Every(tcfg.log_every, self.drain, on_stop=True),
-                       Every(tcfg.diagnostics_every, self.diagnose, at_end=False),
-                       Every(tcfg.eval_every, self.validate),
-                       Every(self.cfg.checkpoint.every, self.checkpoint, on_stop=True)]
-            stopping, done = False, plan.start_step
-            with StopRequest() as stop:
-                for step in range(plan.start_step, tcfg.steps):
-                    done, self.val = step + 1, None
-                    batch, rng = self.batches.batch(step), jax.random.fold_in(self.base_key, step)
-                    state, metrics = self.runner.train_step(state, batch, rng)
-                    self.pending.append((done, metrics))
-                    if len(self.pending) >= tcfg.sync_every:
-                        self.drain(state, done)
-                    stopping = stop.signum is not None or (
-                        jax.process_count() > 1 and self.ckpts_().manager.reached_preemption(done))
-                    for action in actions:
-                        action(state, done, done == tcfg.steps, stopping)
-                    if stopping:
-                        break
-            self.ckpts_().wait()
-            if stopping:
-                return {"preempted": True, "step": done,  # state.step counts skipped updates too
-                        "checkpoint": str(self.ckpts_().directory / str(self.ckpts_().latest_step()))}
-            return self.finish(state, t0)
-        finally:
+        changed = prepare(plan) if self.primary else None
+        failed = True
+        with library_errors_to(plan.workdir / LIBRARY_LOG):
+            try:
+                state = self.open()
+                if changed:
+                    self.say(changed)
+                actions = [Every(tcfg.log_every, self.drain, on_stop=True),
+                           Every(tcfg.diagnostics_every, self.diagnose, at_end=False),
+                           Every(tcfg.eval_every, self.validate),
+                           Every(self.cfg.checkpoint.every, self.checkpoint, on_stop=True)]
+                stopping, done = False, plan.start_step
+                with interrupts.graceful():
+                    for step in range(plan.start_step, tcfg.steps):
+                        interrupts.set_phase("compile" if step == plan.start_step else "training")
+                        done, self.val = step + 1, None
+                        batch, rng = self.batches.batch(step), jax.random.fold_in(self.base_key, step)
+                        state, metrics = self.runner.train_step(state, batch, rng)
+                        self.pending.append((done, metrics))
+                        if len(self.pending) >= tcfg.sync_every:
+                            self.drain(state, done)
+                        stopping = interrupts.stop_requested or (
+                            jax.process_count() > 1 and self.ckpts_().manager.reached_preemption(done))
+                        for action in actions:
+                            action(state, done, done == tcfg.steps, stopping)
+                        if stopping:
+                            break
+                interrupts.set_phase("finishing")
+                self.wait_for_saves(done)
+                summary = self.stopped(done, t0) if stopping else self.finish(state, t0)
+                failed = False
+                return summary
+            finally:
+                self.close(failed)
+
+    def say(self, line: str) -> None:
+        if self.progress is not None:
+            self.progress.write(line)
+
+    def close(self, failed: bool) -> None:
+        """Close the session's files; the checkpoint manager last, with its saves finished. After a failure
+        the first error is the one reported: a second one from closing is not allowed to replace it."""
+        with self.interrupts.critical("closing the run's files"):
             for resource in (self.progress, self.log, self.ckpts):
-                if resource is not None:
+                if resource is None:
+                    continue
+                if failed:  # best effort; what Orbax's failed save threads print goes to orbax.log
+                    with contextlib.suppress(Exception), _stderr_to(self.plan.workdir / LIBRARY_LOG):
+                        resource.close()
+                elif resource is self.ckpts:
+                    try:
+                        resource.close()
+                    except Exception as err:
+                        full = save_failed_for_space(err, self.ckpts_().directory, None)
+                        if full is None:
+                            raise
+                        raise full from None
+                else:
                     resource.close()
 
     # --- session resources ----------------------------------------------------------------------
 
     def open(self) -> TrainState:
-        """Open the checkpoints, the metrics log and the progress line; the state to start from."""
+        """Open the checkpoints, the metrics log and the progress line; the state to start from: the
+        newest checkpoint that restores (damaged newer ones are moved aside and named), else fresh."""
         plan, cfg = self.plan, self.cfg
         self.ckpts = Checkpoints(plan.workdir, cfg.checkpoint)
+        notes: list[str] = []
         if plan.start_step:
-            restored, meta = self.ckpts.restore(plan.start_step, self.runner.abstract_state(plan.abstract))
+            ckpts, target = self.ckpts, self.runner.abstract_state(plan.abstract)
+
+            def restore(step: int) -> tuple[TrainState, dict[str, Any]]:
+                check_compatible(plan.workdir, step, plan.abstract.params)
+                return ckpts.restore(step, target)
+
+            found = restore_newest_good(ckpts.directory, restore, primary=self.primary)
+            if found.notes:
+                ckpts.manager.reload()
+                notes = found.notes
+            assert found.step is not None, "a run with a latest step has a checkpoint"
+            plan.start_step = found.step
+            restored, meta = found.value
             self.batches.restore(meta.get("data_state"))
+            self.window = dict(meta.get("log_window") or {})
             state = self.runner.place_state(restored)
         else:
             state = plan.initial_state()
         self.log = MetricsLog(plan.workdir, plan.start_step, enabled=self.primary)
         self.progress = Progress(cfg.train.steps, plan.start_step, bar=self.primary and cfg.train.progress,
-                                 lines=self.primary)
-        self.progress.write(f"{plan.dataset.summary()}; run in {plan.workdir}"
-                            + (f", resuming from step {plan.start_step}" if plan.start_step else ""))
+                                 lines=self.primary, stream=self.terminal)
+        for note in notes:
+            self.say(note)
+        self.say(f"{plan.dataset.summary()}; run in {plan.workdir}"
+                 + (f", resuming from step {plan.start_step}" if plan.start_step else ""))
         return state
 
     def ckpts_(self) -> Checkpoints:
@@ -266,7 +359,10 @@ class Trainer:
         self.progress.write(f"step {done}: validation accuracy {self.val['accuracy']:.4f} loss {self.val['loss']:.4f}")
 
     def checkpoint(self, state: TrainState, done: int) -> None:
-        """Save (asynchronously if configured), never a non-finite state: the previous one stays newest."""
+        """Save (asynchronously if configured), never a non-finite state: the previous one stays newest.
+        The metrics and TensorBoard events up to `done` are made durable first, so a kill after the
+        checkpoint loses nothing it covers; the log window in progress is saved with it, so the first log
+        row after a resume averages the same steps as in an uninterrupted run."""
         self.drain(state, done)
         host_state = self.runner.unreplicate(state)
         ckpts = self.ckpts_()
@@ -274,12 +370,31 @@ class Trainer:
             self.log_().flush()
             metrics = {f"val_{k}": v for k, v in self.val.items()} if self.val else None
             meta = {"seed": self.cfg.train.seed, "label_names": self.plan.dataset.label_names,
-                    "data_state": self.batches.state()}
-            if ckpts.save(host_state, meta, metrics):
+                    "data_state": self.batches.state(), "log_window": self.window}
+            with self.interrupts.critical(f"saving checkpoint {done}"):
+                try:
+                    saved = ckpts.save(host_state, meta, metrics)
+                except Exception as err:
+                    full = save_failed_for_space(err, ckpts.directory, done)
+                    if full is None:
+                        raise
+                    raise full from None
+            if saved:
                 return
         assert self.progress is not None
         self.progress.write(f"step {done}: the state is non-finite; checkpoint skipped "
                             f"(the newest stays {ckpts.latest_step()})")
+
+    def wait_for_saves(self, step: int | None) -> None:
+        """Block until started saves are committed (signals held meanwhile); a full disk is one line."""
+        ckpts = self.ckpts_()
+        try:
+            self.interrupts.wait_for_saves(ckpts.wait, f"checkpoint {step}" if step is not None else "a save")
+        except Exception as err:
+            full = save_failed_for_space(err, ckpts.directory, step)
+            if full is None:
+                raise
+            raise full from None
 
     def halt(self, state: TrainState, done: int, m: dict[str, float]) -> None:
         """Stop without saving; name the first non-finite block/sublayer on the step's own examples."""
@@ -288,7 +403,7 @@ class Trainer:
                                  self.task)
         why = ("train.nonfinite=halt" if tcfg.nonfinite == "halt"
                else f"{int(m['nonfinite_consecutive'])} consecutive non-finite steps (train.max_nonfinite)")
-        self.ckpts_().wait()  # report the newest checkpoint that is complete on disk
+        self.wait_for_saves(None)  # report the newest checkpoint that is complete on disk
         newest = self.ckpts_().latest_step()
         raise HaltError(
             f"halted at step {done}: non-finite loss or gradients ({why}); {where}; "
@@ -297,6 +412,27 @@ class Trainer:
         )
 
     # --- the end of a run -------------------------------------------------------------------------
+
+    def stopped(self, done: int, t0: float) -> dict[str, Any]:
+        """The summary of a run stopped by a signal: what it did, where to continue from; with curves."""
+        plan, ckpts = self.plan, self.ckpts_()
+        latest = ckpts.latest_step()
+        summary: dict[str, Any] = {
+            "preempted": True, "step": done, "steps": self.cfg.train.steps,
+            "session_steps": done - plan.start_step, "seconds": round(time.perf_counter() - t0, 1),
+            "checkpoint": str(ckpts.directory / str(latest)) if latest is not None else None,
+            "workdir": str(plan.workdir),
+        }
+        if self.primary:
+            self.log_().flush()
+            vals = [r for r in read_jsonl(plan.workdir / "metrics.jsonl") if r["split"] == "val"]
+            if vals:
+                best = max(vals, key=lambda r: (r["accuracy"], r["step"]))
+                summary.update(best_val_accuracy=best["accuracy"], best_val_step=best["step"])
+            with self.interrupts.critical("writing summary.json and curves.png"):
+                atomic_write(plan.workdir / SUMMARY_FILE, json.dumps(summary, indent=2) + "\n")
+                plot_curves(plan.workdir)
+        return summary
 
     def finish(self, state: TrainState, t0: float) -> dict[str, Any]:
         """Final validation (unless the last step just ran it) and test (on the best checkpoint when keeping
@@ -328,6 +464,7 @@ class Trainer:
             "test_checkpoint_step": test_step, "workdir": str(plan.workdir),
         }
         if self.primary:
-            atomic_write(plan.workdir / SUMMARY_FILE, json.dumps(summary, indent=2) + "\n")
-            plot_curves(plan.workdir)
+            with self.interrupts.critical("writing summary.json and curves.png"):
+                atomic_write(plan.workdir / SUMMARY_FILE, json.dumps(summary, indent=2) + "\n")
+                plot_curves(plan.workdir)
         return summary

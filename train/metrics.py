@@ -170,13 +170,17 @@ class MetricsLog:
         # One O_APPEND descriptor, written a whole line per os.write: a failed write is cut back to the last
         # complete line (see write), and no buffer holds half a line that a later flush could emit.
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self._workdir, self._resume_step = Path(workdir), resume_step
+        self._open_tb()
+
+    def _open_tb(self) -> None:
         # Imported here: tensorboardX imports torch when it is installed, seconds that only a writer needs.
         from tensorboardX import SummaryWriter
 
-        # A distinct file per session: the default name has one-second resolution, and a writer reusing an
+        # A distinct file per writer: the default name has one-second resolution, and a writer reusing an
         # existing name would overwrite the steps kept from the previous session.
-        self._tb = SummaryWriter(str(Path(workdir) / TB_DIR), flush_secs=30,
-                                 filename_suffix=f".from{resume_step}.{time.time_ns()}")
+        self._tb = SummaryWriter(str(self._workdir / TB_DIR), flush_secs=30,
+                                 filename_suffix=f".from{self._resume_step}.{time.time_ns()}")
 
     def write(self, split: str, step: int, values: dict[str, float]) -> None:
         if not self.enabled or (split, step) in self._seen:
@@ -219,8 +223,18 @@ class MetricsLog:
             if full is None:
                 raise
             raise full from None
+        # tensorboardX's flush() does not wait for events still queued for its writer thread; close() does.
+        # A new file then takes the following events, so each step's events are on disk before the
+        # checkpoint that covers them commits, exactly once.
         assert self._tb is not None
-        self._tb.flush()
+        try:
+            self._tb.close()
+        except OSError as err:
+            full = no_space(err, Path(self._workdir) / TB_DIR)
+            if full is None:
+                raise
+            raise full from None
+        self._open_tb()
 
     def close(self) -> None:
         if not self.enabled or self._fd is None:
@@ -238,10 +252,12 @@ class MetricsLog:
 class Progress:
     """A tqdm bar on stderr with loss/accuracy/tokens per second; its ETA comes from tqdm."""
 
-    def __init__(self, total: int, start: int, *, bar: bool, lines: bool):
-        """bar: show the bar; lines: print `write` lines (False on non-primary processes: they say nothing)."""
+    def __init__(self, total: int, start: int, *, bar: bool, lines: bool, stream: Any = None):
+        """bar: show the bar; lines: print `write` lines (False on non-primary processes: they say nothing);
+        stream: where both go (default sys.stderr)."""
         self.lines = lines
-        self.bar = tqdm(total=total, initial=start, disable=not bar, file=sys.stderr, unit="step",
+        self.stream = stream if stream is not None else sys.stderr
+        self.bar = tqdm(total=total, initial=start, disable=not bar, file=self.stream, unit="step",
                         dynamic_ncols=True, leave=True)
 
     def update(self, steps: int, values: dict[str, float]) -> None:
@@ -250,7 +266,7 @@ class Progress:
 
     def write(self, line: str) -> None:
         if self.lines:
-            self.bar.write(line, file=sys.stderr)
+            self.bar.write(line, file=self.stream)
 
     def close(self) -> None:
         self.bar.close()

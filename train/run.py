@@ -9,8 +9,10 @@ writes the run's files (`prepare`) and hands the plan to the loop (train/loop.py
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,8 +23,17 @@ import yaml
 
 from train import data, init_from
 from train.batches import BatchSource, InMemoryBatches
-from train.checkpoint import CONFIG_FILE, TOKENIZER_DIR, CheckpointError, check_compatible, latest_step, read_run_config
+from train.checkpoint import (
+    CONFIG_FILE,
+    TOKENIZER_DIR,
+    CheckpointError,
+    DamagedCheckpointError,
+    check_compatible,
+    latest_step,
+    read_run_config,
+)
 from train.config import Config, ConfigError, apply_overrides, config_from_dict, load_config
+from train.interrupts import Interrupts
 from train.metrics import atomic_write, run_metadata
 from train.parallel import Runner, initialize_distributed, make_runner
 from train.state import TrainState, abstract_init, create_state, init_params
@@ -30,6 +41,9 @@ from train.tasks import CLASSIFICATION, Task
 
 RUN_FILE = "run.json"
 SUMMARY_FILE = "summary.json"
+HISTORY_DIR = "config.history"  # the config of every session: from-step-<S>.yaml produced steps S+1...
+# Files a workdir may hold before it holds a run (the lock of a run that failed to plan).
+_NOT_A_RUN = {".lock"}
 
 
 class WorkdirError(ValueError):
@@ -68,7 +82,7 @@ def check_workdir(workdir: Path) -> None:
             raise WorkdirError(f"workdir {workdir} is a file: pass a directory path for --workdir")
         if not os.access(workdir, os.W_OK | os.X_OK):
             raise WorkdirError(f"workdir {workdir} is not writable: fix its permissions or pass another --workdir")
-        if any(workdir.iterdir()) and not (workdir / CONFIG_FILE).is_file():
+        if any(p.name not in _NOT_A_RUN for p in workdir.iterdir()) and not (workdir / CONFIG_FILE).is_file():
             raise WorkdirError(f"workdir {workdir} is not empty and holds no run: pass a new or empty directory")
         return
     parent = workdir.absolute().parent
@@ -82,6 +96,8 @@ def resolve(config: Config, dataset: data.Dataset) -> Config:
     """The config with what the data decides: vocabulary size (tokenizer) and number of classes."""
     raw = config.model_dump(mode="json")
     raw["model"].update(vocab_size=dataset.tokenizer.vocab_size, num_classes=len(dataset.label_names))
+    if raw["data"].get("path"):  # saved absolute: evaluate and resume work from any directory
+        raw["data"]["path"] = str(Path(raw["data"]["path"]).expanduser().absolute())
     resolved = config_from_dict(raw)
     if resolved.data.packing and resolved.model.pooling != "mean":
         raise ConfigError(f"data.packing=true pools each packed example by its mean, but model.pooling="
@@ -101,6 +117,9 @@ def plan_run(config: Config, workdir: Path, task: Task = CLASSIFICATION) -> Plan
     check_workdir(workdir)
     start = latest_step(workdir) or 0
     config, source = _init_source(config, workdir, start)
+    if config.data.source not in ("synthetic", "file") and jax.process_index() == 0:
+        print(f"loading data: {config.data.source} (the first run fetches and checks it, ~10 s)",
+              file=sys.stderr, flush=True)
     tokenizer_dir = workdir / TOKENIZER_DIR
     dataset = data.load_dataset(config.data, tokenizer_dir=tokenizer_dir if tokenizer_dir.is_dir() else None,
                                 tokenizer=source.tokenizer if source and not tokenizer_dir.is_dir() else None)
@@ -120,7 +139,9 @@ def plan_run(config: Config, workdir: Path, task: Task = CLASSIFICATION) -> Plan
                             cfg.train.steps)
 
     if start:
-        check_compatible(workdir, start, abstract.params)
+        # A damaged newest checkpoint is not fatal: the loop's restore falls back to the newest that reads.
+        with contextlib.suppress(DamagedCheckpointError):
+            check_compatible(workdir, start, abstract.params)
     if source is not None and source.encoder is not None:
         source.encoder = init_from.conform(source.encoder, config.model, abstract.params["encoder"], source.spec)
     runner = make_runner(config, abstract, task=task, specs=specs)
@@ -144,11 +165,32 @@ def _init_source(config: Config, workdir: Path, start: int) -> tuple[Config, ini
     return init_from.adopt(config, source), source
 
 
-def prepare(plan: Plan) -> None:
-    """Write the resolved config, the tokenizer and a session record in run.json (primary process only).
-    (This is where the workdir will be locked against a second writer.)"""
+def config_changes(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> list[str]:
+    """'optim.lr: 0.003 -> 0.001' for each key whose value differs between two config dicts."""
+    changes = []
+    for key in sorted(set(old) | set(new)):
+        a, b = old.get(key), new.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            changes += config_changes(a, b, f"{prefix}{key}.")
+        elif a != b:
+            changes.append(f"{prefix}{key}: {a!r} -> {b!r}")
+    return changes
+
+
+def prepare(plan: Plan) -> str | None:
+    """Write the resolved config (and a copy in config.history/), the tokenizer and a session record in
+    run.json (primary process only; the caller holds the workdir lock). Returns one line naming the
+    settings that differ from the config the run was saved with, if any."""
     plan.workdir.mkdir(parents=True, exist_ok=True)
-    atomic_write(plan.workdir / CONFIG_FILE, yaml.safe_dump(plan.config.model_dump(mode="json"), sort_keys=False))
+    text = yaml.safe_dump(plan.config.model_dump(mode="json"), sort_keys=False)
+    changed: list[str] = []
+    if plan.start_step and (plan.workdir / CONFIG_FILE).is_file():
+        saved = yaml.safe_load((plan.workdir / CONFIG_FILE).read_text()) or {}
+        changed = config_changes(saved, plan.config.model_dump(mode="json"))
+    history = plan.workdir / HISTORY_DIR
+    history.mkdir(exist_ok=True)
+    atomic_write(history / f"from-step-{plan.start_step}.yaml", text)
+    atomic_write(plan.workdir / CONFIG_FILE, text)
     if not (plan.workdir / TOKENIZER_DIR).is_dir():
         plan.dataset.tokenizer.save(plan.workdir / TOKENIZER_DIR)
     path = plan.workdir / RUN_FILE
@@ -158,23 +200,50 @@ def prepare(plan: Plan) -> None:
         record["init_from"] = plan.init.record
     record["label_names"] = plan.dataset.label_names
     record["truncated"] = plan.dataset.truncated
-    record["sessions"].append(run_metadata(plan.start_step))
+    session = run_metadata(plan.start_step)
+    session.update(config=f"{HISTORY_DIR}/from-step-{plan.start_step}.yaml", changed=changed)
+    record["sessions"].append(session)
     atomic_write(path, json.dumps(record, indent=2) + "\n")
+    if not changed:
+        return None
+    return (f"resuming from step {plan.start_step} with changed settings: {'; '.join(changed)} "
+            f"(earlier configs kept in {HISTORY_DIR}/)")
 
 
-def train(config: Config, workdir: Path, *, batches: Callable[[BatchSource], BatchSource] | None = None
-          ) -> dict[str, Any]:
-    """Plan (validate), then train; returns the summary (or {"preempted": True, ...} after a signal).
+def train(config: Config, workdir: Path, *, batches: Callable[[BatchSource], BatchSource] | None = None,
+          interrupts: Interrupts | None = None) -> dict[str, Any]:
+    """Lock the workdir, plan (validate), then train; returns the summary (with "preempted": True after a
+    signal).
 
-    `batches` may wrap the planned batch source (e.g. to inject faults in tests). Raises the one-line
-    errors of `plan_run`, or train.loop.HaltError.
+    The workdir lock (train.workdir_lock) is held for the whole run by process 0; a workdir holding a run is
+    locked before its run is read, a new one as soon as the plan is valid (so bad input creates nothing).
+    `batches` may wrap the planned batch source (e.g. to inject faults in tests). `interrupts` is the CLI's
+    signal policy; without one, SIGINT/SIGTERM are handled for the duration of the call. Raises the
+    one-line errors of `plan_run`, WorkdirBusyError, DiskFullError, or train.loop.HaltError.
     """
     from train.loop import Trainer
+    from train.workdir_lock import WorkdirLock
 
-    plan = plan_run(config, workdir)
-    if batches is not None:
-        plan.batches = batches(plan.batches)
-    return Trainer(plan).train()
+    workdir = Path(workdir)
+    initialize_distributed(config.parallel)
+    lock = WorkdirLock(workdir, command=" ".join(["train", *sys.argv[1:]]), primary=jax.process_index() == 0)
+    own = interrupts is None
+    policy = interrupts if interrupts is not None else Interrupts(install=jax.process_count() == 1)
+    try:
+        if own:
+            policy.__enter__()
+        if (workdir / CONFIG_FILE).is_file():  # a run: nothing of it is read unlocked
+            lock.acquire()
+        policy.set_phase("start-up")
+        plan = plan_run(config, workdir)
+        lock.acquire()
+        if batches is not None:
+            plan.batches = batches(plan.batches)
+        return Trainer(plan, policy).train()
+    finally:
+        lock.release()
+        if own:
+            policy.__exit__(None, None, None)
 
 
 def config_for_workdir(config_path: str | None, overrides: list[str], workdir: Path) -> Config:
