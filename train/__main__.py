@@ -59,11 +59,17 @@ def program() -> str:
     return "python -m train" if name in ("", "__main__.py", "-c", "-m") or name.startswith("python") else name
 
 
+def one_line(text: object) -> str:
+    """A message as one printable line: user input echoed in it (an override holding a control or
+    line-separator character) is shown escaped instead of breaking the line."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(text).strip())
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse that reports a usage error as one line (exit 2) instead of usage + message."""
 
     def error(self, message: str) -> NoReturn:
-        self.exit(USAGE_EXIT, f"{self.prog}: {message} (see --help)\n")
+        self.exit(USAGE_EXIT, one_line(f"{self.prog}: {message} (see --help)") + "\n")
 
 
 def _train_parser() -> argparse.ArgumentParser:
@@ -244,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv: list[str], whole_process: bool) -> int:
     unknown = _unknown_command(argv)
     if unknown:
-        print(unknown, file=sys.stderr)
+        print(one_line(unknown), file=sys.stderr)
         return USAGE_EXIT
     if argv and argv[0] in COMMANDS:
         command, argv = COMMANDS[argv[0]], argv[1:]
@@ -272,12 +278,12 @@ def _main(argv: list[str], whole_process: bool) -> int:
                 # Libraries flush their files on the full disk once more at exit (tensorboardX's atexit
                 # hook) and Python prints each failure as "Exception ignored in ...": the line below says it.
                 sys.unraisablehook = lambda unraisable: None
-            print(f"error: {err}", file=sys.stderr)
+            print(one_line(f"error: {err}"), file=sys.stderr)
             if isinstance(err, DiskFullError) and whole_process:
                 _silence_exit_noise()
             return USAGE_EXIT
         except HaltError as err:
-            print(f"error: {err}", file=sys.stderr)
+            print(one_line(f"error: {err}"), file=sys.stderr)
             return HALT_EXIT
 
     return run_interruptible(run)
