@@ -20,13 +20,13 @@ import jax
 import yaml
 
 from train import data
-from train.batches import BatchSource, InMemoryBatches
+from train.batches import BatchSource, InMemoryBatches, StreamBatches
 from train.checkpoint import CONFIG_FILE, TOKENIZER_DIR, CheckpointError, check_compatible, latest_step, read_run_config
 from train.config import Config, ConfigError, apply_overrides, config_from_dict, load_config
 from train.metrics import atomic_write, run_metadata
 from train.parallel import Runner, initialize_distributed, make_runner
 from train.state import TrainState, abstract_init, create_state, init_params
-from train.tasks import CLASSIFICATION, Task
+from train.tasks import CLASSIFICATION, Task, task_for
 
 RUN_FILE = "run.json"
 SUMMARY_FILE = "summary.json"
@@ -42,7 +42,7 @@ class Plan:
 
     config: Config  # resolved: model.vocab_size and model.num_classes come from the data
     workdir: Path
-    dataset: data.Dataset
+    dataset: Any  # data.Dataset (classification) or train.pretrain_data.CorpusData (mlm)
     start_step: int  # the checkpoint to resume from; 0 for a fresh run
     task: Task
     batches: BatchSource
@@ -85,14 +85,37 @@ def resolve(config: Config, dataset: data.Dataset) -> Config:
     return resolved
 
 
+def resolve_corpus(config: Config, corpus: Any) -> Config:
+    """The config of an MLM run with what the corpus decides: the embedding rows the masking needs (the
+    tokenizer's vocabulary, plus a mask row when the tokenizer has no spare id) and rows of data.max_len."""
+    raw = config.model_dump(mode="json")
+    raw["model"].update(vocab_size=corpus.masking.model_vocab_size)
+    raw["data"].update(buckets=[config.data.max_len])
+    resolved = config_from_dict(raw)
+    if resolved.data.max_len > resolved.model.max_len:
+        raise ConfigError(f"model.max_len={resolved.model.max_len} is shorter than the rows of data.max_len="
+                          f"{resolved.data.max_len} tokens: raise model.max_len or lower data.max_len")
+    if config.train.batch_size % config.data.stream_shards:
+        raise ConfigError(f"train.batch_size={config.train.batch_size} does not divide among data.stream_shards="
+                          f"{config.data.stream_shards}: make the batch a multiple of the shard count")
+    return resolved
+
+
 def plan_run(config: Config, workdir: Path, task: Task = CLASSIFICATION) -> Plan:
     """Validate config, data, workdir and checkpoint compatibility; build the task's runner and batches."""
     workdir = Path(workdir)
     initialize_distributed(config.parallel)  # multi-host: the one call, before anything touches a device
     check_workdir(workdir)
     tokenizer_dir = workdir / TOKENIZER_DIR
-    dataset = data.load_dataset(config.data, tokenizer_dir=tokenizer_dir if tokenizer_dir.is_dir() else None)
-    config = resolve(config, dataset)
+    if config.task == "mlm":
+        from train.pretrain_data import load_corpus
+
+        task = task_for(config) if task is CLASSIFICATION else task
+        dataset: Any = load_corpus(config, tokenizer_dir=tokenizer_dir if tokenizer_dir.is_dir() else None)
+        config = resolve_corpus(config, dataset)
+    else:
+        dataset = data.load_dataset(config.data, tokenizer_dir=tokenizer_dir if tokenizer_dir.is_dir() else None)
+        config = resolve(config, dataset)
     start = latest_step(workdir) or 0
     if start > config.train.steps:
         raise CheckpointError(f"{workdir} is at step {start}, past train.steps={config.train.steps}: raise "
@@ -109,7 +132,12 @@ def plan_run(config: Config, workdir: Path, task: Task = CLASSIFICATION) -> Plan
     if start:
         check_compatible(workdir, start, abstract.params)
     runner = make_runner(config, abstract, task=task, specs=specs)
-    batches = InMemoryBatches(dataset, config, runner.data_share())
+    batches: BatchSource
+    if config.task == "mlm":
+        batches = StreamBatches(dataset, config, runner.data_share())
+        dataset.unigram_accuracy = batches.unigram_accuracy()
+    else:
+        batches = InMemoryBatches(dataset, config, runner.data_share())
     return Plan(config, workdir, dataset, start, task, batches, runner, abstract, make_state)
 
 
@@ -124,6 +152,8 @@ def prepare(plan: Plan) -> None:
     record = json.loads(path.read_text()) if path.is_file() else {"sessions": []}
     record["label_names"] = plan.dataset.label_names
     record["truncated"] = plan.dataset.truncated
+    if plan.config.task == "mlm":  # reported once: what the masked-token accuracy must beat
+        record["unigram_baseline_accuracy"] = plan.dataset.unigram_accuracy
     record["sessions"].append(run_metadata(plan.start_step))
     atomic_write(path, json.dumps(record, indent=2) + "\n")
 
