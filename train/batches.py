@@ -170,13 +170,39 @@ class StreamBatches:
         return hits / max(total, 1.0)
 
     def state(self) -> dict[str, Any] | None:
-        return self.stream.get_state()
+        """Every process's stream position, gathered (the checkpoint's meta is written by process 0 only);
+        every process must call it, as the loop does at each save."""
+        return {"processes": _allgather_json(self.stream.get_state())}
 
     def restore(self, state: dict[str, Any] | None) -> None:
-        if state is None:
-            raise ValueError("the checkpoint holds no input-stream position (data_state): it was not written by a "
-                             "streamed run; resume with the run's own config or start a new workdir")
-        self.stream.set_state(state)
+        from train.sources import DataError
+
+        saved = (state or {}).get("processes")
+        if not saved:
+            raise DataError("the checkpoint holds no input-stream position (data_state): it was not written by a "
+                            "streamed run; resume with the run's own config or start a new workdir")
+        if len(saved) != self.process_count:
+            raise DataError(f"the run was saved by {len(saved)} processes but resumes with {self.process_count}: a "
+                            "streamed run resumes with the process count it was saved with")
+        self.stream.set_state(saved[self.process_index])
 
     def close(self) -> None:
         self.stream.close()
+
+
+def _allgather_json(value: Any) -> list[Any]:
+    """[value of process 0, value of process 1, ...]: JSON-able values gathered from every process."""
+    import json
+
+    import jax
+
+    if jax.process_count() == 1:
+        return [value]
+    from jax.experimental import multihost_utils
+
+    raw = np.frombuffer(json.dumps(value).encode(), np.uint8)
+    sizes = np.asarray(multihost_utils.process_allgather(np.asarray([raw.size], np.int64))).reshape(-1)
+    padded = np.zeros(int(sizes.max()), np.uint8)
+    padded[:raw.size] = raw
+    everyone = np.asarray(multihost_utils.process_allgather(padded)).reshape(len(sizes), -1)
+    return [json.loads(everyone[i, :n].tobytes()) for i, n in enumerate(sizes)]

@@ -68,7 +68,8 @@ class DataConfig(_Section):
     paths: list[str] = Field(default_factory=list, description="source=corpus: training files, directories or "
                              "globs (read lazily, streamed).")
     heldout_paths: list[str] = Field(default_factory=list, description="source=corpus: held-out files for the "
-                                     "masked loss/accuracy (validation: the first `eval_batches` batches, test: the next).")
+                                     "masked loss/accuracy (validation: the first `eval_batches` batches, "
+                                     "test: the next).")
     corpus_bytes: int = Field(2_000_000, gt=0, description="source=generated_corpus: size of the training file.")
     stream_shards: int = Field(8, ge=1, description="Streamed corpora: logical shards (a multiple of the process "
                                "count, dividing train.batch_size); fixed, so any process count reads the same rows.")
@@ -249,7 +250,8 @@ class Config(_Section):
         if self.task == "mlm" and not streamed:
             raise ValueError(f"task=mlm reads unlabelled text: set data.source to one of {', '.join(STREAMED_SOURCES)}")
         if self.task == "classification" and streamed:
-            raise ValueError(f"data.source={self.data.source} is unlabelled text: set task=mlm, or pick a labelled source")
+            raise ValueError(f"data.source={self.data.source} is unlabelled text: set task=mlm, or pick a labelled "
+                             "source")
         if self.data.source == "corpus" and not self.data.paths:
             raise ValueError("source=corpus needs data.paths: set data.paths=[corpus/*.txt] (and data.heldout_paths)")
         return self

