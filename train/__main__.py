@@ -107,7 +107,7 @@ def cmd_evaluate(argv: list[str]) -> int:
     for name in args.split:
         result = trained.evaluate(name)
         print(f"{name}: accuracy {result['accuracy']:.4f} loss {result['loss']:.4f} "
-              f"({int(result['examples'])} examples)")
+              f"({int(result[trained.task.count_name])} {trained.task.count_name})")
     return 0
 
 

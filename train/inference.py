@@ -26,7 +26,7 @@ from train.checkpoint import TOKENIZER_DIR, inference_state, load_for_inference
 from train.config import Config
 from train.loop import evaluate
 from train.parallel import make_runner
-from train.tasks import CLASSIFICATION, Task
+from train.tasks import CLASSIFICATION, Task, task_for
 from train.tokenizer import Tokenizer
 
 
@@ -55,6 +55,7 @@ class TrainedRun:
         best ones, else the latest)."""
         workdir = Path(workdir)
         config, params, tokenizer, label_names = load_for_inference(workdir, step)
+        task = task_for(config) if task is CLASSIFICATION else task  # a pretraining run (task=mlm) too
         return cls(workdir, config, params, tokenizer, label_names, step, task)
 
     @functools.cached_property
@@ -64,6 +65,9 @@ class TrainedRun:
 
     def predict(self, texts: list[str]) -> list[Prediction]:
         """One prediction per text (each truncated to data.max_len tokens). DataError on no or empty text."""
+        if self.config.task != "classification":
+            raise data.DataError(f"the run in {self.workdir} is a {self.config.task} pretraining run with no classes: "
+                                 "fine-tune it (model.init_from) and predict with that run")
         batch = data.encode_texts(self.tokenizer, list(texts), self.config.data.max_len, self.config.data.buckets)
         probs = np.asarray(self._outputs(self.params, batch)["probabilities"])  # [N, C]
         out = []
@@ -88,5 +92,13 @@ class TrainedRun:
             update={"parallel": self.config.parallel.model_copy(update={"strategy": "single"})})
         state = inference_state(self.model, self.params)
         runner = make_runner(config, state, task=self.task)
+        if config.task == "mlm":  # masked loss/accuracy on the held-out text
+            from train.batches import StreamBatches
+            from train.pretrain_data import load_corpus
+
+            corpus = load_corpus(config, tokenizer_dir=self.workdir / TOKENIZER_DIR)
+            stream = StreamBatches(corpus, config.model_copy(
+                update={"data": config.data.model_copy(update={"prefetch": "none"})}))
+            return evaluate(self.task, runner, state, stream, split, config.train.sync_every)
         batches = InMemoryBatches(self.dataset, config)
         return evaluate(self.task, runner, state, batches, split, config.train.sync_every)
