@@ -50,7 +50,10 @@ class DataConfig(_Section):
     synthetic_size: int = Field(6000, gt=0, description="Examples generated for a synthetic task.")
     synthetic_vocab: int = Field(32, ge=4)
     synthetic_len: int = Field(32, ge=4)
-    tokenizer: Literal["byte", "bpe"] = Field("byte", description="byte: UTF-8 bytes; bpe: trained on train.")
+    tokenizer: Literal["byte", "bpe", "pretrained"] = Field(
+        "byte", description="byte: UTF-8 bytes; bpe: trained on train; pretrained: the tokenizer.json of "
+        "model.init_from=hf:<dir> (set for you)."
+    )
     bpe_vocab_size: int = Field(4000, ge=300)
     max_len: int = Field(128, gt=0, description="Tokens kept per example; longer ones are truncated (counted).")
     buckets: list[int] = Field(
@@ -231,12 +234,24 @@ class DiagnosticsConfig(_Section):
     residual_ratio_limit: float = Field(10.0, gt=0, description="A layer ratio above this fails `diagnose`.")
 
 
+class ModelConfig(EncoderConfig):
+    """jaxblock.EncoderConfig plus where the encoder's weights start (train/init_from.py)."""
+
+    init_from: str | None = Field(
+        None,
+        description="Start the encoder from a pretrained checkpoint and train a fresh head: hf:<dir> (a local "
+        "transformers checkpoint directory; its tokenizer.json is used) or a run's workdir (<workdir> or "
+        "<workdir>@<step>; its tokenizer is used). The model's shape comes from the checkpoint (a contradicting "
+        "override is refused); dropout, pooling, dtypes and max_len (within its positions) may be set.",
+    )
+
+
 class Config(_Section):
     task: Literal["classification", "mlm"] = Field(
         "classification", description="classification: a label per example; mlm: masked-language modelling "
         "on streamed unlabelled text (data.source corpus, generated_corpus or pretrain_text).")
     mlm: MlmConfig = Field(default_factory=lambda: MlmConfig())
-    model: EncoderConfig = Field(default_factory=lambda: EncoderConfig())
+    model: ModelConfig = Field(default_factory=lambda: ModelConfig())
     data: DataConfig = Field(default_factory=lambda: DataConfig())
     optim: OptimConfig = Field(default_factory=lambda: OptimConfig())
     train: TrainConfig = Field(default_factory=lambda: TrainConfig())

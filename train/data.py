@@ -96,7 +96,8 @@ def split_indices(count: int, fractions: Sequence[float], seed: int) -> list[np.
 
 
 def _tokenizer(cfg: DataConfig, train_texts: list[str], tokenizer_dir: Path | None) -> Tokenizer:
-    want = "id" if cfg.source == "synthetic" else cfg.tokenizer
+    # A pretrained checkpoint's tokenizer reads any source, the synthetic rows included.
+    want = "id" if cfg.source == "synthetic" and cfg.tokenizer != "pretrained" else cfg.tokenizer
     if tokenizer_dir is not None and has_tokenizer(tokenizer_dir):
         tok = load_tokenizer(tokenizer_dir)
         if tok.kind != want:
@@ -106,6 +107,9 @@ def _tokenizer(cfg: DataConfig, train_texts: list[str], tokenizer_dir: Path | No
             raise DataError(f"the run's tokenizer has {tok.symbols} symbols but data.synthetic_vocab="
                             f"{cfg.synthetic_vocab}: use the run's value or a new workdir")
         return tok
+    if want == "pretrained":
+        raise DataError("data.tokenizer=pretrained reads a checkpoint's tokenizer.json: set model.init_from=hf:<dir> "
+                        "(or choose data.tokenizer=byte or bpe)")
     if want == "id":
         return IdTokenizer(cfg.synthetic_vocab)
     if want == "bpe":
@@ -120,10 +124,11 @@ def _encode_split(tok: Tokenizer, texts: list[str], labels: np.ndarray, max_len:
     return Split(tokens, np.asarray(labels, np.int32), texts, tok.pad_id), truncated
 
 
-def load_dataset(cfg: DataConfig, tokenizer_dir: Path | None = None) -> Dataset:
+def load_dataset(cfg: DataConfig, tokenizer_dir: Path | None = None, tokenizer: Tokenizer | None = None) -> Dataset:
     """Load `cfg.source`, split it (seeded by cfg.split_seed), tokenize and truncate each split.
 
-    If `tokenizer_dir` holds a saved tokenizer it is loaded (resume, evaluate); otherwise one is built
+    `tokenizer` (a pretrained checkpoint's, see train/init_from.py) is used as given; else if
+    `tokenizer_dir` holds a saved tokenizer it is loaded (resume, evaluate); otherwise one is built
     (BPE is trained on the training split only). Nothing is written: the caller saves the tokenizer.
     """
     if cfg.max_len > cfg.buckets[-1]:
@@ -132,7 +137,7 @@ def load_dataset(cfg: DataConfig, tokenizer_dir: Path | None = None) -> Dataset:
     ex = _examples(cfg)
     parts = split_indices(len(ex.texts), cfg.split, cfg.split_seed)
     train_texts = [ex.texts[i] for i in parts[0]]
-    tok = _tokenizer(cfg, train_texts, tokenizer_dir)
+    tok = tokenizer if tokenizer is not None else _tokenizer(cfg, train_texts, tokenizer_dir)
     splits: dict[str, Split] = {}
     truncated: dict[str, int] = {}
     for name, idx in zip(("train", "validation", "test"), parts, strict=True):

@@ -19,7 +19,7 @@ from typing import Any
 import jax
 import yaml
 
-from train import data
+from train import data, init_from
 from train.batches import BatchSource, InMemoryBatches, StreamBatches
 from train.checkpoint import CONFIG_FILE, TOKENIZER_DIR, CheckpointError, check_compatible, latest_step, read_run_config
 from train.config import Config, ConfigError, apply_overrides, config_from_dict, load_config
@@ -49,10 +49,16 @@ class Plan:
     runner: Runner
     abstract: TrainState  # shapes and dtypes only (jax.eval_shape), for the runner and restore targets
     make_state: Callable[[], TrainState]  # the fresh state (seeded init), traceable
+    init: init_from.Source | None = None  # model.init_from: its encoder weights are grafted into a fresh state
 
     def initial_state(self) -> TrainState:
-        """The fresh state, built where the runner keeps it (sharded from the start under `sharded`)."""
-        return self.runner.init_state(self.make_state)
+        """The fresh state, built where the runner keeps it (sharded from the start under `sharded`),
+        with the pretrained encoder of model.init_from in place of the seeded one."""
+        state = self.runner.init_state(self.make_state)
+        if self.init is None or self.init.encoder is None:
+            return state
+        state = self.runner.unreplicate(state)  # pmap: drop the device axis; the runner places it again
+        return self.runner.place_state(state.replace(params=init_from.graft(state.params, self.init.encoder)))
 
 
 def check_workdir(workdir: Path) -> None:
@@ -77,6 +83,9 @@ def resolve(config: Config, dataset: data.Dataset) -> Config:
     raw = config.model_dump(mode="json")
     raw["model"].update(vocab_size=dataset.tokenizer.vocab_size, num_classes=len(dataset.label_names))
     resolved = config_from_dict(raw)
+    if resolved.data.packing and resolved.model.pooling != "mean":
+        raise ConfigError(f"data.packing=true pools each packed example by its mean, but model.pooling="
+                          f"'{resolved.model.pooling}': set data.packing=false (or model.pooling=mean)")
     if resolved.data.buckets[-1] > resolved.model.max_len:
         raise ConfigError(
             f"model.max_len={resolved.model.max_len} is shorter than the largest bucket {resolved.data.buckets[-1]} "
@@ -106,17 +115,24 @@ def plan_run(config: Config, workdir: Path, task: Task = CLASSIFICATION) -> Plan
     workdir = Path(workdir)
     initialize_distributed(config.parallel)  # multi-host: the one call, before anything touches a device
     check_workdir(workdir)
+    start = latest_step(workdir) or 0
+    config, source = _init_source(config, workdir, start)
     tokenizer_dir = workdir / TOKENIZER_DIR
     if config.task == "mlm":
         from train.pretrain_data import load_corpus
 
+        if source is not None:
+            raise ConfigError("model.init_from starts a fine-tuning run; a task=mlm run pretrains from scratch: "
+                              "drop model.init_from")
         task = task_for(config) if task is CLASSIFICATION else task
         dataset: Any = load_corpus(config, tokenizer_dir=tokenizer_dir if tokenizer_dir.is_dir() else None)
         config = resolve_corpus(config, dataset)
     else:
-        dataset = data.load_dataset(config.data, tokenizer_dir=tokenizer_dir if tokenizer_dir.is_dir() else None)
+        dataset = data.load_dataset(config.data, tokenizer_dir=tokenizer_dir if tokenizer_dir.is_dir() else None,
+                                    tokenizer=source.tokenizer if source and not tokenizer_dir.is_dir() else None)
         config = resolve(config, dataset)
-    start = latest_step(workdir) or 0
+    if source is not None:
+        config = init_from.check_vocab(config, source, dataset.tokenizer)
     if start > config.train.steps:
         raise CheckpointError(f"{workdir} is at step {start}, past train.steps={config.train.steps}: raise "
                               "train.steps or use a new --workdir")
@@ -131,6 +147,8 @@ def plan_run(config: Config, workdir: Path, task: Task = CLASSIFICATION) -> Plan
 
     if start:
         check_compatible(workdir, start, abstract.params)
+    if source is not None and source.encoder is not None:
+        source.encoder = init_from.conform(source.encoder, config.model, abstract.params["encoder"], source.spec)
     runner = make_runner(config, abstract, task=task, specs=specs)
     batches: BatchSource
     if config.task == "mlm":
@@ -138,7 +156,23 @@ def plan_run(config: Config, workdir: Path, task: Task = CLASSIFICATION) -> Plan
         dataset.unigram_accuracy = batches.unigram_accuracy()
     else:
         batches = InMemoryBatches(dataset, config, runner.data_share())
-    return Plan(config, workdir, dataset, start, task, batches, runner, abstract, make_state)
+    return Plan(config, workdir, dataset, start, task, batches, runner, abstract, make_state, source)
+
+
+def _init_source(config: Config, workdir: Path, start: int) -> tuple[Config, init_from.Source | None]:
+    """model.init_from: the checkpoint (read now for a fresh run; a resumed run's own config stands for it)
+    and the config with its shape. A run keeps the init_from it started with."""
+    spec = config.model.init_from
+    started_from = read_run_config(workdir).model.init_from if (workdir / CONFIG_FILE).is_file() else None
+    if start and spec != started_from and (spec or not started_from):
+        began = f"from model.init_from={started_from}" if started_from else "from scratch"
+        raise ConfigError(f"{workdir} holds a run started {began}, not from model.init_from={spec}: keep the run's "
+                          "own setting to resume it, or use a new --workdir")
+    spec = spec or (started_from if start else None)
+    if not spec:
+        return config, None
+    source = init_from.load_source(spec, workdir, resuming=bool(start))
+    return init_from.adopt(config, source), source
 
 
 def prepare(plan: Plan) -> None:
@@ -150,6 +184,9 @@ def prepare(plan: Plan) -> None:
         plan.dataset.tokenizer.save(plan.workdir / TOKENIZER_DIR)
     path = plan.workdir / RUN_FILE
     record = json.loads(path.read_text()) if path.is_file() else {"sessions": []}
+    if plan.init is not None and plan.init.encoder is not None and plan.start_step == 0:
+        init_from.copy_files(plan.init, plan.workdir)
+        record["init_from"] = plan.init.record
     record["label_names"] = plan.dataset.label_names
     record["truncated"] = plan.dataset.truncated
     if plan.config.task == "mlm":  # reported once: what the masked-token accuracy must beat
@@ -176,11 +213,11 @@ def train(config: Config, workdir: Path, *, batches: Callable[[BatchSource], Bat
 def config_for_workdir(config_path: str | None, overrides: list[str], workdir: Path) -> Config:
     """The config to run: --config (+ overrides), or the run's own resolved config (+ overrides)."""
     if config_path is not None:
-        return load_config(config_path, overrides)
+        return init_from.drop_file_shape(load_config(config_path, overrides), overrides)
     if not (Path(workdir) / CONFIG_FILE).is_file():
         raise ConfigError(f"no --config given and {workdir} holds no run: pass --config configs/tiny.yaml (or another)")
     saved = read_run_config(workdir).model_dump(mode="json")
-    return config_from_dict(apply_overrides(saved, overrides))
+    return init_from.drop_file_shape(config_from_dict(apply_overrides(saved, overrides)), overrides)
 
 
 def summary_line(summary: dict[str, Any]) -> str:

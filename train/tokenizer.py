@@ -1,8 +1,11 @@
 """Tokenizers: UTF-8 bytes, BPE (the `tokenizers` library), and identity ids for the synthetic tasks.
 
-Every tokenizer reserves id 0 for padding, encodes without adding special tokens (the classifier pools
-with a masked mean, so it needs no [CLS]), and saves itself into a directory beside the run:
-`tokenizer_config.json` names the kind, plus `tokenizer.json` for BPE. `load_tokenizer` reads it back.
+Our own tokenizers reserve id 0 for padding and encode without adding special tokens (the classifier pools
+with a masked mean, so it needs no [CLS]). A pretrained checkpoint's tokenizer (`PretrainedTokenizer`, kind
+"pretrained", from its `tokenizer.json`) keeps that checkpoint's ids, padding id and special tokens
+(BERT's [CLS] ... [SEP], Llama's BOS: whatever its post-processor adds). Every tokenizer saves itself into a
+directory beside the run: `tokenizer_config.json` names the kind, plus `tokenizer.json` for BPE and
+pretrained ones. `load_tokenizer` reads it back.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ PAD, UNK = "<pad>", "<unk>"
 
 @runtime_checkable
 class Tokenizer(Protocol):
-    kind: str  # "byte" | "bpe" | "id"
+    kind: str  # "byte" | "bpe" | "id" | "pretrained"
     vocab_size: int
     pad_id: int
 
@@ -96,6 +99,38 @@ class BpeTokenizer:
         self._tok.save(str(directory / BPE_FILE))
 
 
+class PretrainedTokenizer:
+    """A pretrained checkpoint's `tokenizers.Tokenizer` (its tokenizer.json), ids unchanged.
+
+    `encode` adds the special tokens its post-processor defines ([CLS]/[SEP] for BERT-family, <s> for
+    Llama-family), as transformers does; any padding or truncation saved in the file is switched off
+    (batches pad with `pad_id` and truncate to data.max_len themselves).
+    """
+
+    kind = "pretrained"
+
+    def __init__(self, tokenizer: HFTokenizer, pad_id: int):
+        tokenizer.no_padding()
+        tokenizer.no_truncation()
+        self._tok = tokenizer
+        self.vocab_size = tokenizer.get_vocab_size()
+        self.pad_id = pad_id
+
+    @classmethod
+    def from_file(cls, path: Path, pad_id: int) -> PretrainedTokenizer:
+        return cls(HFTokenizer.from_file(str(path)), pad_id)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=True).ids)
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return str(self._tok.decode(list(ids), skip_special_tokens=True)).strip()
+
+    def save(self, directory: Path) -> None:
+        _write_config(directory, {"kind": self.kind, "vocab_size": self.vocab_size, "pad_id": self.pad_id})
+        self._tok.save(str(directory / BPE_FILE))
+
+
 class IdTokenizer:
     """Synthetic rows: whitespace-separated integers 0..symbols-1 -> id + 2 (pad=0, unk=1 for anything else)."""
 
@@ -137,6 +172,8 @@ def load_tokenizer(directory: Path) -> Tokenizer:
             return IdTokenizer(int(config["symbols"]))
         if kind == "bpe":
             return BpeTokenizer(HFTokenizer.from_file(str(directory / BPE_FILE)))
+        if kind == "pretrained":
+            return PretrainedTokenizer.from_file(directory / BPE_FILE, int(config["pad_id"]))
     except Exception as err:  # the tokenizers library raises plain Exception on a corrupt file
         if isinstance(err, DataError):
             raise

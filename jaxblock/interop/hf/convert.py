@@ -107,7 +107,10 @@ def _build(cfg: EncoderConfig, sd: dict[str, np.ndarray], family: str, classifie
         if name not in sd:
             raise UnsupportedConfigError(f"state dict lacks {name}: the weights do not match config.json")
         shape = get_path(shapes, row.path).shape
-        set_path(params, row.path, jnp.asarray(layout_to_ours(sd[name], shape, row.kind), dtype))
+        value = sd[name]
+        if row.path[-1] == "pos_embedding":  # max_len may cap the checkpoint's positions: keep the first rows
+            value = value[: shape[0]]
+        set_path(params, row.path, jnp.asarray(layout_to_ours(value, shape, row.kind), dtype))
     missing = {"/".join(map(str, p)) for p, _ in jax.tree_util.tree_leaves_with_path(shapes)} - {
         "/".join(f"['{k}']" for k in r.path) for r in rows}
     if missing:  # a programming error in the maps, not a user mistake

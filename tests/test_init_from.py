@@ -1,0 +1,209 @@
+"""model.init_from: a run's encoder starts from another run's checkpoint (or a transformers checkpoint,
+slow tests at the end); the head is fresh, the shape comes from the checkpoint, bad sources are refused."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import pytest
+from conftest import TINY, tiny_config
+
+from train import run
+from train.__main__ import main
+from train.checkpoint import load_for_inference
+from train.config import ConfigError
+from train.init_from import INIT_DIR
+
+
+def leaves(tree: Any) -> dict[str, np.ndarray]:
+    return {jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+def test_fresh_run_starts_from_the_source_encoder_with_a_fresh_head(reference_run, tmp_path):
+    source, _ = reference_run
+    _, src_params, _, _ = load_for_inference(source, 10)
+    plan = run.plan_run(tiny_config(f"model.init_from={source}@10", "train.seed=7"), tmp_path / "new")
+    state = plan.initial_state()
+    new, old = leaves(state.params["encoder"]), leaves(src_params["encoder"])
+    assert new.keys() == old.keys()
+    for name in old:
+        np.testing.assert_array_equal(new[name], old[name], err_msg=name)
+    fresh = run.plan_run(tiny_config("train.seed=7"), tmp_path / "fresh").initial_state()
+    np.testing.assert_array_equal(state.params["head"]["kernel"], fresh.params["head"]["kernel"])
+    assert not np.array_equal(state.params["head"]["kernel"], src_params["head"]["kernel"])
+
+
+def test_cli_fine_tunes_records_the_source_and_resume_keeps_its_checkpoint(reference_run, tmp_path):
+    source, _ = reference_run
+    work = tmp_path / "ft"
+    args = ["--config", str(TINY), "--workdir", str(work), f"model.init_from={source}", "parallel.strategy=single",
+            "train.progress=false", "train.steps=4", "checkpoint.every=2", "train.eval_every=2",
+            "model.block.ffn_dropout=0.1"]
+    assert main(args) == 0
+    record = json.loads((work / "run.json").read_text())
+    assert record["init_from"]["step"] == 10 and record["init_from"]["path"] == str(source.absolute())
+    assert (work / INIT_DIR / "config.yaml").is_file()
+    assert (work / "tokenizer" / "tokenizer_config.json").read_bytes() == \
+        (source / "tokenizer" / "tokenizer_config.json").read_bytes()
+    _, params4, _, _ = load_for_inference(work, 4)
+    # Resume past the end: the run's own checkpoint wins over the source's weights.
+    assert main([*args[:-1], "train.steps=6"]) == 0
+    plan = run.plan_run(run.config_for_workdir(None, ["train.steps=8"], work), work)
+    assert plan.start_step == 6 and plan.init is not None and plan.init.encoder is None
+    _, params6, _, _ = load_for_inference(work, 6)
+    assert not np.array_equal(params6["head"]["kernel"], params4["head"]["kernel"])
+    assert main(["evaluate", "--workdir", str(work)]) == 0
+
+
+def test_contradicting_override_is_refused_free_ones_allowed(reference_run, tmp_path, capsys):
+    source, _ = reference_run
+    work = tmp_path / "bad"
+    code = main(["--config", str(TINY), "--workdir", str(work), f"model.init_from={source}",
+                 "model.block.model_dim=64", "parallel.strategy=single"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "\n" not in err and not work.exists()
+    assert "model.block.model_dim=64" in err and "32" in err
+    # In the Python API every set shape key is checked (no config file to override).
+    with pytest.raises(ConfigError, match="num_layers=3"):
+        run.plan_run(tiny_config(f"model.init_from={source}", "model.num_layers=3"), work)
+    with pytest.raises(ConfigError, match="max_len=32 exceeds the 16 positions"):
+        run.plan_run(tiny_config(f"model.init_from={source}", "model.max_len=32"), work)
+    plan = run.plan_run(tiny_config(f"model.init_from={source}", "model.max_len=8", "data.max_len=8",
+                                    "data.buckets=[8]", "model.block.attn_dropout=0.1"), work)
+    assert plan.config.model.max_len == 8 and plan.config.model.block.attn_dropout == 0.1
+    assert plan.initial_state().params["encoder"]["pos_embedding"].shape == (8, 32)
+
+
+@pytest.mark.parametrize("spec", ["missing", "not_a_run", "no_checkpoint", "bad_step", "hf_missing"])
+def test_bad_init_from_is_one_line_exit_2_nothing_written(reference_run, tmp_path, capsys, spec):
+    source, _ = reference_run
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    bare = tmp_path / "bare"  # a run's files but no checkpoint
+    bare.mkdir()
+    shutil.copy(source / "config.yaml", bare / "config.yaml")
+    shutil.copytree(source / "tokenizer", bare / "tokenizer")
+    value = {"missing": str(tmp_path / "nope"), "not_a_run": str(empty), "no_checkpoint": str(bare),
+             "bad_step": f"{source}@7", "hf_missing": f"hf:{empty}"}[spec]
+    work = tmp_path / "work"  # an empty directory the run would have used
+    work.mkdir()
+    code = main(["--config", str(TINY), "--workdir", str(work), f"model.init_from={value}",
+                 "parallel.strategy=single", "train.steps=20"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err.startswith("error: model.init_from=") and "\n" not in err, err
+    assert not any(work.iterdir())
+
+
+def test_packing_needs_mean_pooling(tmp_path):
+    with pytest.raises(ConfigError, match=r"data\.packing"):
+        run.plan_run(tiny_config("data.packing=true", "model.pooling=cls"), tmp_path / "w")
+
+
+# --- hf:<dir>: small transformers checkpoints built here, with tokenizers trained on the tiny data ---------
+
+SYMBOLS = [" ".join(str((i * 7 + j) % 16) for j in range(16)) for i in range(64)]  # tiny.yaml's symbol texts
+
+
+def bert_dir(root: Path) -> Path:
+    """A random 2-layer BertModel (D=32) saved with a WordPiece tokenizer.json and a license file."""
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.train_from_iterator(SYMBOLS, trainers.WordPieceTrainer(
+        special_tokens=["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"], show_progress=False))
+    tok.post_processor = processors.BertProcessing(("[SEP]", tok.token_to_id("[SEP]")),
+                                                   ("[CLS]", tok.token_to_id("[CLS]")))
+    cfg = transformers.BertConfig(vocab_size=tok.get_vocab_size(), hidden_size=32, num_hidden_layers=2,
+                                  num_attention_heads=2, intermediate_size=64, max_position_embeddings=40,
+                                  pad_token_id=0)
+    path = root / "bert"
+    transformers.BertModel(cfg, add_pooling_layer=False).save_pretrained(path)
+    tok.save(str(path / "tokenizer.json"))
+    (path / "LICENSE").write_text("test license\n")
+    return path
+
+
+def llama_dir(root: Path) -> Path:
+    """A random 2-layer LlamaModel (D=32, 4 query heads over 2 kv heads) with a BPE tokenizer adding <s>."""
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator(SYMBOLS, trainers.BpeTrainer(special_tokens=["<unk>", "<s>", "</s>"],
+                                                         show_progress=False))
+    bos = tok.token_to_id("<s>")
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", bos)])
+    cfg = transformers.LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=32, intermediate_size=64,
+                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                   max_position_embeddings=64, bos_token_id=bos, eos_token_id=2)
+    path = root / "llama"
+    transformers.LlamaModel(cfg).save_pretrained(path)
+    tok.save(str(path / "tokenizer.json"))
+    return path
+
+
+def test_hf_bert_plan_loads_its_encoder_tokenizer_and_pooling(tmp_path):
+    pytest.importorskip("transformers")
+    from jaxblock.interop.hf import from_hf
+
+    path = bert_dir(tmp_path)
+    work = tmp_path / "work"
+    config = run.config_for_workdir(str(TINY), [f"model.init_from=hf:{path}", "parallel.strategy=single"], work)
+    plan = run.plan_run(config, work)
+    model = plan.config.model
+    assert (model.block.model_dim, model.num_layers, model.max_len, model.pooling) == (32, 2, 16, "cls")
+    assert model.block.norm == "post" and model.embed_norm and model.block.residual_dropout == 0.1  # BERT's own
+    tok = plan.dataset.tokenizer
+    ids = tok.encode("3 4")
+    assert tok.kind == "pretrained" and tok.pad_id == 0 and len(ids) == 4
+    assert (ids[0], ids[-1]) == (tok._tok.token_to_id("[CLS]"), tok._tok.token_to_id("[SEP]"))
+    _, want = from_hf(path, max_len=16)
+    got = leaves(plan.initial_state().params["encoder"])
+    want_leaves = leaves(want["params"])
+    assert got.keys() == want_leaves.keys()
+    for name, value in want_leaves.items():
+        np.testing.assert_array_equal(got[name], value, err_msg=name)
+    with pytest.raises(ConfigError, match=r"model\.num_layers=3 contradicts .* which has 2"):
+        run.plan_run(run.config_for_workdir(str(TINY), [f"model.init_from=hf:{path}", "model.num_layers=3"],
+                                            work), work)
+    assert not work.exists()
+
+
+def _cli(*args: str) -> Any:
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "train", *args], capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["bert", "llama"])
+def test_cli_fine_tunes_a_transformers_checkpoint_then_evaluates_and_predicts(tmp_path, family):
+    pytest.importorskip("transformers")
+    path = (bert_dir if family == "bert" else llama_dir)(tmp_path)
+    work = tmp_path / "run"
+    done = _cli("--config", str(TINY), "--workdir", str(work), f"model.init_from=hf:{path}",
+                "train.progress=false", "train.steps=40", "checkpoint.every=20", "train.eval_every=20")
+    assert done.returncode == 0, done.stderr
+    assert "done: 40 steps" in done.stdout
+    assert (work / INIT_DIR / "config.json").read_bytes() == (path / "config.json").read_bytes()
+    assert (work / INIT_DIR / "LICENSE").is_file() == (family == "bert")
+    record = json.loads((work / "run.json").read_text())["init_from"]
+    assert record["kind"] == "hf" and record["model_type"] == family
+    saved = json.loads((work / "tokenizer" / "tokenizer_config.json").read_text())
+    assert saved["kind"] == "pretrained"
+    evaluated = _cli("evaluate", "--workdir", str(work))
+    assert evaluated.returncode == 0 and "test: accuracy" in evaluated.stdout, evaluated.stderr
+    predicted = _cli("predict", "--workdir", str(work), "3 4 5 3", "1 2")
+    assert predicted.returncode == 0 and len(predicted.stdout.strip().splitlines()) == 2, predicted.stderr
+    metrics = [json.loads(line) for line in (work / "metrics.jsonl").read_text().splitlines()]
+    losses = [m["loss"] for m in metrics if m.get("split") == "train" and "loss" in m]
+    assert losses and all(np.isfinite(losses))

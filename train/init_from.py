@@ -1,0 +1,285 @@
+"""`model.init_from`: start a run's encoder from a pretrained checkpoint, with a fresh head.
+
+    model.init_from=hf:<dir>            a local transformers checkpoint directory (never a download)
+    model.init_from=<workdir>[@<step>]  one of our runs (a classifier or a masked-LM pretraining run):
+                                        its latest checkpoint, or checkpoint <step>
+
+Both trees keep the encoder's parameters under `encoder` (Classifier and jaxblock.MaskedLM alike), so the
+pretrained part is exactly `Encoder`'s tree. What comes from the checkpoint:
+- the model's shape: every key of `model` that changes a parameter's shape or what the pretrained weights
+  compute (widths, heads, layers, norms, activation, positions, biases, vocabulary, ...). A key the user
+  sets to another value is refused in one line naming it and both values. The keys in FREE_KEYS (dropout,
+  pooling and head, dtypes, kernel, scan/remat, max_len within the checkpoint's learned positions) may be
+  set; unset, they too come from the checkpoint (a BERT brings its dropout and its [CLS] pooler, a
+  Llama-family model its last-token pooling);
+- the tokenizer: the run's `tokenizer/`, or the checkpoint's `tokenizer.json` (train.tokenizer
+  .PretrainedTokenizer), saved into the new run's `tokenizer/` so evaluate and predict use it;
+- the encoder's weights, grafted into the fresh state (`graft`) only when a run starts: a resumed run
+  restores its own checkpoint and never reads the source again (its shape then comes from its own
+  config.yaml). The head (pooler, classifier) starts from the seeded init.
+The source's config (config.json or config.yaml) and license file are copied into `<workdir>/init/`.
+Errors are one-line ConfigErrors (exit 2) raised before anything is written.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import yaml
+from pydantic import ValidationError
+
+from jaxblock.config import EncoderConfig, format_validation_error
+from jaxblock.model import stack_layer_params, unstack_layer_params
+from train.checkpoint import CHECKPOINT_DIR, CONFIG_FILE, TOKENIZER_DIR, _reader, read_run_config
+from train.config import Config, ConfigError, config_from_dict, parse_override
+from train.sources import DataError
+from train.tokenizer import Tokenizer, load_tokenizer
+
+HF_PREFIX = "hf:"
+INIT_DIR = "init"  # <workdir>/init/: the source's config and license, copied when the run starts
+
+# Keys of `model` (dotted below it) that neither change a parameter's shape nor what the pretrained
+# weights compute; every other key is the checkpoint's. vocab_size is the checkpoint's too (set after the
+# tokenizer resolves it), and max_len is checked against the checkpoint's learned positions.
+FREE_KEYS = frozenset({
+    "init_from", "max_len", "num_classes", "pooling", "pooler_activation", "embed_dropout", "scan_layers", "remat",
+    "block.attn_dropout", "block.ffn_dropout", "block.residual_dropout", "block.attention",
+    "block.attn_chunk_size", "block.fused_qkv", "block.dtype", "block.param_dtype", "block.init",
+})
+_ENCODER_KEYS = frozenset(EncoderConfig.model_fields)
+
+
+@dataclass
+class Source:
+    """What a run takes from its `model.init_from` checkpoint."""
+
+    spec: str
+    model: EncoderConfig  # the checkpoint's config; its max_len is the positions it holds
+    tokenizer: Tokenizer | None  # None on resume: the run's own tokenizer/ is used
+    encoder: Any = None  # host float32 numpy params of `Encoder` (plain tree); None on resume
+    files: dict[str, Path] = field(default_factory=dict)  # name in <workdir>/init/ -> file to copy
+    record: dict[str, Any] = field(default_factory=dict)  # what run.json records about it
+
+
+def _flat(tree: dict[str, Any]) -> dict[str, Any]:
+    """EncoderConfig fields as dotted keys (one level: block.*); values stay as dumped."""
+    out = {k: v for k, v in tree.items() if k != "block"}
+    out |= {f"block.{k}": v for k, v in tree.get("block", {}).items()}
+    return out
+
+
+def _set_keys(model: EncoderConfig) -> set[str]:
+    """The dotted keys of `model` given explicitly (in the YAML or an override), not left at defaults."""
+    keys = {k for k in model.model_fields_set if k != "block"}
+    return keys | {f"block.{k}" for k in model.block.model_fields_set} if "block" in model.model_fields_set else keys
+
+
+def drop_file_shape(config: Config, overrides: list[str]) -> Config:
+    """With model.init_from set: forget the shape keys a config file set (the checkpoint decides them)
+    while keeping those given as command-line overrides, which `adopt` then checks against the checkpoint.
+    Free keys (dropout, pooling, ...) keep their config-file values."""
+    if not config.model.init_from:
+        return config
+    overridden: set[str] = set()
+
+    def note(key: str, value: Any) -> None:  # the key and every key above it count as given
+        parts = key.split(".")
+        overridden.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))
+        if isinstance(value, dict):
+            for k, v in value.items():
+                note(f"{key}.{k}" if key else str(k), v)
+
+    for item in overrides:
+        path, value = parse_override(item)
+        if path[:1] == ["model"]:
+            note(".".join(path[1:]), value)
+    raw = config.model_dump(mode="json", exclude_unset=True)
+    model = raw.get("model", {})
+    block = model.get("block", {})
+    for key in [k for k in model if k != "block"]:
+        if key not in FREE_KEYS and key not in overridden:
+            del model[key]
+    for key in list(block):
+        if f"block.{key}" not in FREE_KEYS and f"block.{key}" not in overridden:
+            del block[key]
+    return config_from_dict(raw)
+
+
+def adopt(config: Config, source: Source) -> Config:
+    """The config with the checkpoint's shape: unset model keys take the checkpoint's values; a set shape
+    key that differs is refused (ConfigError naming it and both values); max_len must fit the
+    checkpoint's learned positions (unset, it is the smaller of the default and the checkpoint's)."""
+    src = source.model
+    mine = _flat(config.model.model_dump(mode="json"))
+    theirs = _flat(src.model_dump(mode="json"))
+    given = _set_keys(config.model)
+    merged: dict[str, Any] = {}
+    for key, value in theirs.items():
+        if key not in given or key == "vocab_size":
+            merged[key] = value
+            continue
+        if key not in FREE_KEYS and mine[key] != value:
+            raise ConfigError(
+                f"model.{key}={mine[key]!r} contradicts the checkpoint of model.init_from={source.spec}, which has "
+                f"{value!r}: drop that setting (the model's shape comes from the checkpoint)")
+        merged[key] = mine[key]
+    if src.positions == "learned":
+        if "max_len" not in given:
+            merged["max_len"] = min(mine["max_len"], src.max_len)
+        elif mine["max_len"] > src.max_len:
+            raise ConfigError(
+                f"model.max_len={mine['max_len']} exceeds the {src.max_len} positions of the checkpoint of "
+                f"model.init_from={source.spec}: set model.max_len<={src.max_len} (and data.max_len, data.buckets "
+                "within it)")
+    model: dict[str, Any] = {k: v for k, v in merged.items() if not k.startswith("block.")}
+    model["block"] = {k.removeprefix("block."): v for k, v in merged.items() if k.startswith("block.")}
+    model["init_from"] = source.spec
+    raw = config.model_dump(mode="json")
+    raw["model"] = model
+    kind = source.tokenizer.kind if source.tokenizer is not None else raw["data"]["tokenizer"]
+    if kind in ("byte", "bpe", "pretrained"):
+        raw["data"]["tokenizer"] = kind
+    elif raw["data"]["source"] != "synthetic":  # IdTokenizer: integer symbols only
+        raise ConfigError(f"the run of model.init_from={source.spec} tokenizes synthetic symbols ('{kind}'): "
+                          "fine-tune it on data.source=synthetic, or start from a run trained on text")
+    return config_from_dict(raw)
+
+
+def check_vocab(config: Config, source: Source, tokenizer: Tokenizer) -> Config:
+    """After `run.resolve` sized the vocabulary from the tokenizer: the checkpoint's embedding decides
+    (it may hold more rows than the tokenizer has ids, never fewer)."""
+    if tokenizer.vocab_size > source.model.vocab_size:
+        raise ConfigError(f"the tokenizer of model.init_from={source.spec} has {tokenizer.vocab_size} ids but the "
+                          f"checkpoint embeds {source.model.vocab_size}: use the checkpoint's own tokenizer")
+    return config.model_copy(update={"model": config.model.model_copy(update={"vocab_size": source.model.vocab_size})})
+
+
+# --- reading a source ----------------------------------------------------------------------------
+
+
+def load_source(spec: str, workdir: Path, *, resuming: bool) -> Source:
+    """The checkpoint `spec` names: its config, tokenizer and encoder weights. When `resuming`, the run's
+    own config.yaml in `workdir` stands for it (nothing of the source is read). ConfigError if unusable."""
+    if resuming:
+        saved = read_run_config(workdir).model
+        return Source(spec, _encoder_config(saved.model_dump(mode="json"), spec), None)
+    if spec.startswith(HF_PREFIX):
+        return _hf_source(spec)
+    return _run_source(spec)
+
+
+def _encoder_config(model: dict[str, Any], spec: str) -> EncoderConfig:
+    try:
+        return EncoderConfig.model_validate({k: v for k, v in model.items() if k in _ENCODER_KEYS})
+    except ValidationError as err:
+        raise ConfigError(f"model.init_from={spec}: its model config is invalid ({format_validation_error(err)})"
+                          ) from None
+
+
+def _run_source(spec: str) -> Source:
+    match = re.fullmatch(r"(.*)@(\d+)", spec)
+    path, step = (Path(match[1]), int(match[2])) if match else (Path(spec), None)
+    fix = "pass a run's --workdir (or <workdir>@<step>), or hf:<dir> for a transformers checkpoint"
+    if not path.is_dir():
+        raise ConfigError(f"model.init_from={spec}: {path} is not a directory: {fix}")
+    if not (path / CONFIG_FILE).is_file():
+        hint = f"; it holds config.json: write model.init_from=hf:{path}" if (path / "config.json").is_file() else ""
+        raise ConfigError(f"model.init_from={spec}: {path} holds no run ({CONFIG_FILE} missing){hint}: {fix}")
+    try:
+        raw = yaml.safe_load((path / CONFIG_FILE).read_text()) or {}
+    except yaml.YAMLError:
+        raise ConfigError(f"model.init_from={spec}: {path / CONFIG_FILE} is not valid YAML: restore it") from None
+    model = _encoder_config(raw.get("model") or {}, spec)
+    try:
+        tokenizer = load_tokenizer(path / TOKENIZER_DIR)
+    except DataError as err:
+        raise ConfigError(f"model.init_from={spec}: {err}") from None
+    step, params = _restore_params(path, step, spec)
+    if not isinstance(params, dict) or "encoder" not in params:
+        raise ConfigError(f"model.init_from={spec}: checkpoint {step} holds no encoder parameters: start from a "
+                          "classifier or masked-LM run")
+    return Source(spec, model, tokenizer, jax.tree.map(np.asarray, params["encoder"]),
+                  {CONFIG_FILE: path / CONFIG_FILE}, {"kind": "run", "path": str(path.absolute()), "step": step})
+
+
+def _restore_params(path: Path, step: int | None, spec: str) -> tuple[int, Any]:
+    """(step, params) of checkpoint `step` (default: the latest) of the run in `path`, on the host."""
+    import orbax.checkpoint as ocp
+
+    directory = path / CHECKPOINT_DIR
+    steps = []
+    if directory.is_dir():
+        with _reader(directory) as manager:
+            steps = sorted(manager.all_steps())
+    if not steps:
+        raise ConfigError(f"model.init_from={spec}: {path} has no checkpoint: train it first, or pass another run")
+    if step is None:
+        step = steps[-1]
+    elif step not in steps:
+        raise ConfigError(f"model.init_from={spec}: {path} has no checkpoint {step} (it has {steps}): pick one of them")
+    cpu = jax.sharding.SingleDeviceSharding(jax.local_devices(backend="cpu")[0])
+    with _reader(directory) as manager:
+        try:
+            meta = manager.item_metadata(step)["params"]
+            tree = getattr(meta, "tree", meta)
+            target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype, sharding=cpu), tree)
+            restored = manager.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(target)))
+        except Exception as err:  # Orbax raises assorted errors for unreadable checkpoints
+            raise ConfigError(f"model.init_from={spec}: checkpoint {step} is unreadable ({err.__class__.__name__}): "
+                              "pick another step (<workdir>@<step>)") from None
+    return step, restored["params"]
+
+
+def _hf_source(spec: str) -> Source:
+    from train.init_hf import hf_source
+
+    return hf_source(spec)
+
+
+# --- the weights --------------------------------------------------------------------------------
+
+
+def conform(encoder: Any, model: EncoderConfig, target: Any, spec: str) -> Any:
+    """The source's encoder params shaped as `target` (the new model's encoder, shapes only): the learned
+    position table cut to the new max_len, layers stacked or unstacked for scan_layers, cast to the
+    parameter dtype. ConfigError naming the first parameter that still differs."""
+    enc = dict(encoder)
+    if "pos_embedding" in enc:
+        enc["pos_embedding"] = enc["pos_embedding"][: model.max_len + model.position_offset]
+    stack = enc.get("stack", {})
+    if model.scan_layers and "layers" not in stack:
+        enc["stack"] = jax.tree.map(np.asarray, stack_layer_params(stack))
+    elif not model.scan_layers and "layers" in stack:
+        enc["stack"] = jax.tree.map(np.asarray, unstack_layer_params(stack))
+    have = {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_leaves_with_path(enc)}
+    want = {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_leaves_with_path(target)}
+    for name in sorted(set(have) | set(want)):
+        if name not in have or name not in want or tuple(have[name].shape) != tuple(want[name].shape):
+            got = tuple(have[name].shape) if name in have else "nothing"
+            need = tuple(want[name].shape) if name in want else "nothing"
+            raise ConfigError(f"model.init_from={spec}: encoder parameter {name} is {got} in the checkpoint but "
+                              f"{need} in this model: use the checkpoint's model settings")
+    return jax.tree.map(lambda x, t: np.asarray(x, t.dtype), enc, target)
+
+
+def graft(params: Any, encoder: Any) -> Any:
+    """The fresh params (Classifier: encoder, [pooler], head) with the pretrained encoder in place."""
+    return {**params, "encoder": encoder}
+
+
+def copy_files(source: Source, workdir: Path) -> None:
+    """The source's config and license into <workdir>/init/ (primary process, when the run starts)."""
+    if not source.files:
+        return
+    directory = workdir / INIT_DIR
+    directory.mkdir(parents=True, exist_ok=True)
+    for name, path in source.files.items():
+        shutil.copyfile(path, directory / name)
+    (directory / "source.json").write_text(json.dumps(source.record, indent=2) + "\n")
