@@ -11,6 +11,7 @@ tokens first) and the task's targets (train/tasks.py); N is this process's rows.
 
 from __future__ import annotations
 
+import atexit
 from collections.abc import Iterator
 from typing import Any, Protocol
 
@@ -120,6 +121,8 @@ class StreamBatches:
                                   process_index=self.process_index, process_count=self.process_count,
                                   masking=corpus.masking, prefetch=None if d.prefetch == "none" else d.prefetch)
         self.last: Batch | None = None
+        # The loop does not close its source; a worker process must still be stopped before shutdown.
+        atexit.register(self.close)
 
     def batch(self, step: int) -> Batch:
         if step != self.stream.step:
