@@ -15,6 +15,7 @@ pre-built in-memory batches (the issue asks >= 0.95).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import resource
 import shutil
@@ -102,12 +103,13 @@ def step_rates(corpus: Path, tok: Any, steps: int) -> dict[str, float]:
     from train.config import load_config
     from train.state import create_state, init_params
     from train.step import train_step
+    from train.tasks import CLASSIFICATION
 
     cfg = load_config(Path(__file__).parent.parent / "configs" / "sentiment.yaml",
                       [f"model.vocab_size={tok.vocab_size + 1}"])
     model = Classifier(cfg.model)
     state = create_state(model, init_params(model, 0, ROW_LEN), cfg.optim, 10_000)
-    step = jax.jit(train_step, donate_argnums=0)
+    step = jax.jit(functools.partial(train_step, CLASSIFICATION), donate_argnums=0)  # (state, batch, rng)
     rng = jax.random.key(0)
 
     def with_labels(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
