@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-SECTIONS = ("peak", "train", "infer", "options", "packing", "length", "width", "depth", "compile")
+SECTIONS = ("peak", "train", "infer", "options", "packing", "length", "width", "depth", "compile", "stream")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -103,11 +103,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _sections() -> dict[str, Any]:
-    from bench import compare, costs, options
+    from bench import compare, costs, options, stream
 
     return {"peak": compare.peak, "train": compare.train, "infer": compare.infer, "options": options.options,
             "packing": options.packing, "length": costs.length, "width": costs.width, "depth": costs.depth,
-            "compile": costs.compile_time}
+            "compile": costs.compile_time, "stream": stream.section}
 
 
 def _meta(ctx: Any, argv: list[str]) -> dict[str, Any]:

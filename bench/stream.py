@@ -15,6 +15,7 @@ pre-built in-memory batches (the issue asks >= 0.95).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import resource
 import shutil
@@ -102,12 +103,13 @@ def step_rates(corpus: Path, tok: Any, steps: int) -> dict[str, float]:
     from train.config import load_config
     from train.state import create_state, init_params
     from train.step import train_step
+    from train.tasks import CLASSIFICATION
 
     cfg = load_config(Path(__file__).parent.parent / "configs" / "sentiment.yaml",
                       [f"model.vocab_size={tok.vocab_size + 1}"])
     model = Classifier(cfg.model)
     state = create_state(model, init_params(model, 0, ROW_LEN), cfg.optim, 10_000)
-    step = jax.jit(train_step, donate_argnums=0)
+    step = jax.jit(functools.partial(train_step, CLASSIFICATION), donate_argnums=0)  # (state, batch, rng)
     rng = jax.random.key(0)
 
     def with_labels(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -205,3 +207,27 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def section(ctx: Any) -> list[Any]:
+    """`python -m bench --only stream`: the feeding ratio (steps/s from the Grain stream over steps/s from
+    in-memory batches) and the pipeline's batches/s, on a generated corpus (5 MB quick, else 50 MB). The
+    memory-vs-corpus-size figures need multi-GB corpora: `python -m bench.stream`."""
+    from bench.measure import Record
+
+    size = (5 if ctx.quick else 50) << 20
+    steps = 20 if ctx.quick else 60
+    root = Path(tempfile.mkdtemp(prefix="stream-bench-"))
+    try:
+        corpus = root / "corpus.txt"
+        generate_corpus(corpus, size)
+        tok = _tokenizer(corpus)
+        rate = pipeline_rate(corpus, tok, steps, True)
+        rates = step_rates(corpus, tok, steps)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    config = {"corpus_mb": size >> 20, "rows": ROWS, "row_len": ROW_LEN, "steps": steps}
+    ctx.log(f"stream: {rate:.1f} batches/s; steps/s stream/memory {rates['stream_over_memory']:.2f}")
+    return [Record.from_times("stream", "pipeline BPE + masking (inline)", config, [1.0 / rate], batches_per_s=rate),
+            Record.from_times("stream", "train step fed by the stream (worker process)", config,
+                              [1.0 / rates["steps_per_s_stream"]], **{k: round(v, 3) for k, v in rates.items()})]

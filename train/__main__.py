@@ -138,7 +138,7 @@ def cmd_evaluate(argv: list[str], interrupts: Any = None) -> int:
     for name in args.split:
         result = trained.evaluate(name)
         print(f"{name}: accuracy {result['accuracy']:.4f} loss {result['loss']:.4f} "
-              f"({int(result['examples'])} examples, checkpoint {trained.step})")
+              f"({int(result[trained.task.count_name])} {trained.task.count_name}, checkpoint {trained.step})")
     return 0
 
 

@@ -29,9 +29,9 @@ import orbax.checkpoint as ocp
 import yaml
 from orbax.checkpoint import checkpoint_managers
 
-from jaxblock.model import Classifier
 from train.config import CheckpointConfig, Config, ConfigError, config_from_dict
 from train.state import TrainState, init_params
+from train.tasks import task_for
 from train.tokenizer import Tokenizer, load_tokenizer
 
 CHECKPOINT_DIR = "checkpoints"
@@ -225,7 +225,7 @@ def load_for_inference(workdir: Path | str, step: int | None = None) -> tuple[Co
     with _reader(workdir / CHECKPOINT_DIR, config.checkpoint) as manager:
         if step is None:
             step = best_or_latest(manager, config.checkpoint)
-        model = Classifier(config.model)
+        model = task_for(config).build_model(config.model)  # a classifier, or MaskedLM for task=mlm
         shapes = jax.eval_shape(lambda: init_params(model, 0, config.data.buckets[-1]))
         check_compatible(workdir, step, shapes)
         device = jax.sharding.SingleDeviceSharding(jax.devices()[0])

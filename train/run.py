@@ -22,7 +22,7 @@ import jax
 import yaml
 
 from train import data, init_from
-from train.batches import BatchSource, InMemoryBatches
+from train.batches import BatchSource, InMemoryBatches, StreamBatches
 from train.checkpoint import (
     CONFIG_FILE,
     TOKENIZER_DIR,
@@ -37,7 +37,7 @@ from train.interrupts import Interrupts
 from train.metrics import atomic_write, run_metadata
 from train.parallel import Runner, initialize_distributed, make_runner
 from train.state import TrainState, abstract_init, create_state, init_params
-from train.tasks import CLASSIFICATION, Task
+from train.tasks import CLASSIFICATION, Task, task_for
 
 RUN_FILE = "run.json"
 SUMMARY_FILE = "summary.json"
@@ -56,7 +56,7 @@ class Plan:
 
     config: Config  # resolved: model.vocab_size and model.num_classes come from the data
     workdir: Path
-    dataset: data.Dataset
+    dataset: Any  # data.Dataset (classification) or train.pretrain_data.CorpusData (mlm)
     start_step: int  # the checkpoint to resume from; 0 for a fresh run
     task: Task
     batches: BatchSource
@@ -110,6 +110,22 @@ def resolve(config: Config, dataset: data.Dataset) -> Config:
     return resolved
 
 
+def resolve_corpus(config: Config, corpus: Any) -> Config:
+    """The config of an MLM run with what the corpus decides: the embedding rows the masking needs (the
+    tokenizer's vocabulary, plus a mask row when the tokenizer has no spare id) and rows of data.max_len."""
+    raw = config.model_dump(mode="json")
+    raw["model"].update(vocab_size=corpus.masking.model_vocab_size)
+    raw["data"].update(buckets=[config.data.max_len])
+    resolved = config_from_dict(raw)
+    if resolved.data.max_len > resolved.model.max_len:
+        raise ConfigError(f"model.max_len={resolved.model.max_len} is shorter than the rows of data.max_len="
+                          f"{resolved.data.max_len} tokens: raise model.max_len or lower data.max_len")
+    if config.train.batch_size % config.data.stream_shards:
+        raise ConfigError(f"train.batch_size={config.train.batch_size} does not divide among data.stream_shards="
+                          f"{config.data.stream_shards}: make the batch a multiple of the shard count")
+    return resolved
+
+
 def plan_run(config: Config, workdir: Path, task: Task = CLASSIFICATION) -> Plan:
     """Validate config, data, workdir and checkpoint compatibility; build the task's runner and batches."""
     workdir = Path(workdir)
@@ -117,13 +133,23 @@ def plan_run(config: Config, workdir: Path, task: Task = CLASSIFICATION) -> Plan
     check_workdir(workdir)
     start = latest_step(workdir) or 0
     config, source = _init_source(config, workdir, start)
-    if config.data.source not in ("synthetic", "file") and jax.process_index() == 0:
+    if config.data.source not in ("synthetic", "file", "corpus") and jax.process_index() == 0:
         print(f"loading data: {config.data.source} (the first run fetches and checks it, ~10 s)",
               file=sys.stderr, flush=True)
     tokenizer_dir = workdir / TOKENIZER_DIR
-    dataset = data.load_dataset(config.data, tokenizer_dir=tokenizer_dir if tokenizer_dir.is_dir() else None,
-                                tokenizer=source.tokenizer if source and not tokenizer_dir.is_dir() else None)
-    config = resolve(config, dataset)
+    if config.task == "mlm":
+        from train.pretrain_data import load_corpus
+
+        if source is not None:
+            raise ConfigError("model.init_from starts a fine-tuning run; a task=mlm run pretrains from scratch: "
+                              "drop model.init_from")
+        task = task_for(config) if task is CLASSIFICATION else task
+        dataset: Any = load_corpus(config, tokenizer_dir=tokenizer_dir if tokenizer_dir.is_dir() else None)
+        config = resolve_corpus(config, dataset)
+    else:
+        dataset = data.load_dataset(config.data, tokenizer_dir=tokenizer_dir if tokenizer_dir.is_dir() else None,
+                                    tokenizer=source.tokenizer if source and not tokenizer_dir.is_dir() else None)
+        config = resolve(config, dataset)
     if source is not None:
         config = init_from.check_vocab(config, source, dataset.tokenizer)
     if start > config.train.steps:
@@ -145,7 +171,12 @@ def plan_run(config: Config, workdir: Path, task: Task = CLASSIFICATION) -> Plan
     if source is not None and source.encoder is not None:
         source.encoder = init_from.conform(source.encoder, config.model, abstract.params["encoder"], source.spec)
     runner = make_runner(config, abstract, task=task, specs=specs)
-    batches = InMemoryBatches(dataset, config, runner.data_share())
+    batches: BatchSource
+    if config.task == "mlm":
+        batches = StreamBatches(dataset, config, runner.data_share())
+        dataset.unigram_accuracy = batches.unigram_accuracy()
+    else:
+        batches = InMemoryBatches(dataset, config, runner.data_share())
     return Plan(config, workdir, dataset, start, task, batches, runner, abstract, make_state, source)
 
 
@@ -200,6 +231,8 @@ def prepare(plan: Plan) -> str | None:
         record["init_from"] = plan.init.record
     record["label_names"] = plan.dataset.label_names
     record["truncated"] = plan.dataset.truncated
+    if plan.config.task == "mlm":  # reported once: what the masked-token accuracy must beat
+        record["unigram_baseline_accuracy"] = plan.dataset.unigram_accuracy
     session = run_metadata(plan.start_step)
     session.update(config=f"{HISTORY_DIR}/from-step-{plan.start_step}.yaml", changed=changed)
     record["sessions"].append(session)

@@ -17,6 +17,7 @@ the whole batch whatever the split, and an evaluation adds sums over batches bef
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any, Protocol
 
@@ -27,6 +28,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxblock.config import EncoderConfig
+from jaxblock.mlm import MaskedLM, select_positions
 from jaxblock.model import Classifier
 
 Batch = Mapping[str, Any]
@@ -131,3 +133,92 @@ def classification_sums(logits: jax.Array, labels: jax.Array) -> Sums:
 
 
 CLASSIFICATION = ClassificationTask()
+
+
+class MaskedLMTask:
+    """Masked-language modelling: predict the original id of each chosen token (train/masking.py corrupts
+    the batch on the host). Batch keys beyond the inputs: mlm_targets int32[N, L] (original ids) and
+    mlm_weights float32[N, L] (1.0 on chosen real tokens, else 0). The model predicts only at P chosen
+    positions per row (`jaxblock.mlm.select_positions`); loss and accuracy count chosen tokens only, so
+    padding, unchosen tokens and the rows added to split a batch over devices (weights 0) count nowhere.
+
+    Packed rows (segment_ids) attend within their example. Outputs of `apply`: {"logits": float32[N, P, V],
+    "positions": int32[N, P], "weights": bool[N, P]}; `sums`/`loss` also take full logits float32[N, L, V]
+    (what the diagnostics' plain forward pass returns).
+    """
+
+    name = "mlm"
+    target_keys: tuple[str, ...] = ("mlm_targets", "mlm_weights")
+    count_name = "tokens"
+    pad_values: Mapping[str, int] = {"mlm_targets": 0, "mlm_weights": 0, "segment_ids": -1}
+
+    def __init__(self, *, rate: float = 0.15, tie_embeddings: bool = True, transform: bool = True,
+                 predictions_per_row: int | None = None):
+        self.rate, self.tie_embeddings, self.transform = rate, tie_embeddings, transform
+        self.predictions_per_row = predictions_per_row
+
+    def build_model(self, config: EncoderConfig) -> nn.Module:
+        return MaskedLM(config, tie_embeddings=self.tie_embeddings, transform=self.transform)
+
+    def predictions(self, length: int) -> int:
+        """P for rows of `length` tokens: enough for whole-word masking's spread around rate * L."""
+        p = self.predictions_per_row or math.ceil(1.6 * self.rate * length) + 2
+        return max(1, min(p, length))
+
+    def check_batch(self, batch: Batch) -> None:
+        keys = [batch["tokens"], batch["valid_tokens"], batch["mlm_targets"], batch["mlm_weights"]]
+        chex.assert_rank(keys, 2)
+        chex.assert_type(keys, [jnp.int32, jnp.bool_, jnp.int32, jnp.float32])
+        chex.assert_equal_shape(keys)
+        if "segment_ids" in batch:
+            chex.assert_equal_shape([batch["tokens"], batch["segment_ids"]])
+            chex.assert_type(batch["segment_ids"], jnp.int32)
+
+    def apply(self, apply_fn: Any, params: Any, batch: Batch, *, train: bool, rng: jax.Array | None) -> dict[str, Any]:
+        rngs = {"dropout": rng} if rng is not None else None
+        chosen = (batch["mlm_weights"] > 0) & batch["valid_tokens"]
+        positions, weights = select_positions(chosen, self.predictions(chosen.shape[1]))  # [N, P]
+        logits = apply_fn({"params": params}, batch["tokens"], batch["valid_tokens"], positions=positions,
+                          segment_ids=batch.get("segment_ids"), train=train, rngs=rngs)  # [N, P, V]
+        return {"logits": logits, "positions": positions, "weights": weights}
+
+    def sums(self, outputs: Any, batch: Batch) -> Sums:
+        if isinstance(outputs, dict):
+            logits, weights = outputs["logits"], outputs["weights"]
+            targets = jnp.take_along_axis(batch["mlm_targets"], outputs["positions"], axis=1)  # [N, P]
+        else:  # full logits [N, L, V]
+            logits, targets = outputs, batch["mlm_targets"]
+            weights = (batch["mlm_weights"] > 0) & batch["valid_tokens"]
+        chex.assert_rank(logits, 3)
+        losses = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+        # where, not multiply: a filler slot's non-finite loss must not reach the sum (0 * NaN = NaN).
+        return {"loss_sum": jnp.sum(jnp.where(weights, losses, 0.0)),
+                "correct": jnp.sum(jnp.where(weights, jnp.argmax(logits, -1) == targets, False)),
+                "count": jnp.sum(weights)}
+
+    def metrics(self, sums: Sums) -> dict[str, Any]:
+        """loss: mean cross-entropy per chosen token; accuracy: masked-token accuracy."""
+        return {"loss": ratio(sums["loss_sum"], sums["count"]), "accuracy": ratio(sums["correct"], sums["count"])}
+
+    def loss(self, outputs: Any, batch: Batch) -> jax.Array:
+        sums = self.sums(outputs, batch)
+        return ratio(sums["loss_sum"], sums["count"])
+
+    def predict(self, outputs: Any) -> dict[str, jax.Array]:
+        """The most likely original id at each predicted position: predicted_ids int32[N, P] (-1 in filler
+        slots) and its probability [N, P]."""
+        logits = outputs["logits"] if isinstance(outputs, dict) else outputs
+        probs = jax.nn.softmax(logits, axis=-1)
+        ids = jnp.argmax(logits, -1).astype(jnp.int32)
+        if isinstance(outputs, dict):
+            ids = jnp.where(outputs["weights"], ids, -1)
+        return {"predicted_ids": ids, "probability": jnp.max(probs, -1)}
+
+
+def task_for(config: Any) -> Task:
+    """The task a train/config.py Config names (`task`, `mlm.*`)."""
+    if config.task == "mlm":
+        m = config.mlm
+        return MaskedLMTask(rate=m.rate, tie_embeddings=m.tie_embeddings, transform=m.transform,
+                            predictions_per_row=m.predictions_per_row)
+    return CLASSIFICATION
