@@ -71,6 +71,7 @@ def test_the_documented_closed_form_and_training_multiples():
 FIELDS = {"section", "name", "config", "median", "min", "max", "reps", "unit", "metrics"}
 
 
+@pytest.mark.slow  # 12 s of compile; the FLOP counts stay in the default suite
 def test_timed_training_step_is_one_clipped_adamw_step_on_the_mean_square_loss():
     """OursTrain runs the trainer's gradient_step: loss mean(y^2) of the stack output, clip 1.0, AdamW."""
     shape = Shape(n=2, length=8, d=16, h=2, f=32, k=1)

@@ -43,6 +43,7 @@ def test_fresh_run_starts_from_the_source_encoder_with_a_fresh_head(reference_ru
     assert not np.array_equal(state.params["head"]["kernel"], src_params["head"]["kernel"])
 
 
+@pytest.mark.slow  # a whole CLI run; the in-process init_from tests stay fast
 def test_cli_fine_tunes_records_the_source_and_resume_keeps_its_checkpoint(reference_run, tmp_path):
     source, _ = reference_run
     work = tmp_path / "ft"

@@ -98,6 +98,7 @@ def test_sums_count_chosen_real_tokens_only_and_match_full_logits() -> None:
     assert 0 < float(TASK.loss(out, batch)) < 2 * np.log(V)
 
 
+@pytest.mark.slow  # three compiles; the task sums test stays in the default suite
 @pytest.mark.parametrize("kernel", ["xla", "unfused", "chunked"])
 def test_every_attention_kernel_gives_the_same_mlm_loss(kernel: str) -> None:
     np.testing.assert_allclose(run_steps(SINGLE, 2, attention=kernel),
@@ -105,7 +106,7 @@ def test_every_attention_kernel_gives_the_same_mlm_loss(kernel: str) -> None:
 
 
 @pytest.mark.parametrize("layout", [
-    {"strategy": "pmap"}, {"strategy": "sharded", "mesh": {"data": 8}},
+    pytest.param({"strategy": "pmap"}, marks=pytest.mark.slow), {"strategy": "sharded", "mesh": {"data": 8}},
     pytest.param({"strategy": "sharded", "mesh": {"data": 1, "fsdp": 8}}, marks=pytest.mark.slow),
     pytest.param({"strategy": "sharded", "mesh": {"data": 4, "tensor": 2}}, marks=pytest.mark.slow),
 ], ids=["pmap", "dp8", "fsdp8", "tp2_dp4"])

@@ -69,6 +69,7 @@ def test_count_task_labels_are_the_counts_and_balanced() -> None:
     assert np.sum(train_split.labels) + np.sum(val_split.labels) == 200
 
 
+@pytest.mark.slow  # 7 s; the study data, verdicts and schedules stay in the default suite
 def test_step_is_adam_scaled_by_the_lr_argument() -> None:
     """The study's step (the trainer's gradient_step) applies params - lr * Adam(b1 0.9, b2 0.98) direction;
     one compiled step serves every learning rate."""

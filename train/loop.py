@@ -22,10 +22,7 @@ hosts, placement and every gather). It knows nothing about the objective, the da
 from __future__ import annotations
 
 import contextlib
-import io
 import json
-import logging
-import os
 import sys
 import time
 from collections.abc import Callable
@@ -42,6 +39,7 @@ from train.checkpoint import Checkpoints, check_compatible
 from train.checkpoint_repair import restore_newest_good, save_failed_for_space
 from train.config import Config
 from train.interrupts import Interrupts
+from train.library_noise import LIBRARY_LOG, library_errors_to, stderr_to
 from train.metrics import MetricsLog, Progress, atomic_write, plot_curves, read_jsonl
 from train.parallel import Runner, is_primary
 from train.run import SUMMARY_FILE, Plan, prepare
@@ -50,72 +48,6 @@ from train.tasks import CLASSIFICATION, Task
 
 # Step metrics that are bookkeeping, not averaged into a log window.
 _COUNTERS = ("lr", "finite", "nonfinite_consecutive", "nonfinite_total", "tokens")
-LIBRARY_LOG = "orbax.log"  # Orbax's (absl) error logs, e.g. each save thread's traceback on a full disk
-
-
-class _QuietFileHandler(logging.FileHandler):
-    """A log file that never prints 'Logging error' tracebacks (it may be on the disk that is full)."""
-
-    def handleError(self, record: logging.LogRecord) -> None:  # noqa: N802 (logging's name)
-        pass
-
-
-class _NoiseFile(io.TextIOBase):
-    """A write-only text stream appending to a file, that never fails (it may be on the full disk)."""
-
-    def __init__(self, path: Any):
-        self.path = path
-
-    def writable(self) -> bool:
-        return True
-
-    def write(self, text: str) -> int:
-        with contextlib.suppress(OSError), open(self.path, "a", encoding="utf-8", errors="replace") as f:
-            f.write(text)
-        return len(text)
-
-
-@contextlib.contextmanager
-def _stderr_to(path: Any) -> Any:
-    """File descriptor 2 (what threads and C code print) appended to `path` for the block, if it opens."""
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    except OSError:
-        fd = os.open(os.devnull, os.O_WRONLY)
-    saved = os.dup(2)
-    try:
-        sys.stderr.flush()
-        os.dup2(fd, 2)
-        yield
-    finally:
-        with contextlib.suppress(Exception):
-            sys.stderr.flush()
-        os.dup2(saved, 2)
-        os.close(saved)
-        os.close(fd)
-
-
-@contextlib.contextmanager
-def library_errors_to(path: Any) -> Any:
-    """Send absl's log records (Orbax's) to `path` instead of stderr for the block: the loop reports a
-    failed save in one line itself."""
-    logger = logging.getLogger("absl")
-    handler = _QuietFileHandler(path, delay=True)
-    handler.setLevel(logging.WARNING)
-    previous, previous_stderr = logger.propagate, sys.stderr
-    logger.addHandler(handler)
-    logger.propagate = False
-    # What library threads print through sys.stderr (TensorStore's "Event loop is closed" after a failed
-    # save) goes to the same file; the run's own lines keep the terminal's stream (Progress, Interrupts).
-    sys.stderr = _NoiseFile(path)
-    try:
-        yield
-    finally:
-        sys.stderr = previous_stderr
-        logger.propagate = previous
-        logger.removeHandler(handler)
-        with contextlib.suppress(OSError):  # the disk may be full: the run's own error is the one to report
-            handler.close()
 
 
 class HaltError(RuntimeError):
@@ -249,7 +181,7 @@ class Trainer:
                 if resource is None:
                     continue
                 if failed:  # best effort; what Orbax's failed save threads print goes to orbax.log
-                    with contextlib.suppress(Exception), _stderr_to(self.plan.workdir / LIBRARY_LOG):
+                    with contextlib.suppress(Exception), stderr_to(self.plan.workdir / LIBRARY_LOG):
                         resource.close()
                 elif resource is self.ckpts:
                     try:
