@@ -132,7 +132,9 @@ def quiet_stderr() -> Iterator[Path]:
     fd = os.open(path, os.O_WRONLY | os.O_APPEND)
 
     def keep(unraisable: Any) -> None:
-        os.write(fd, "".join(traceback.format_exception(unraisable.exc_value)).encode(errors="replace"))
+        # A hook another thread installed around ours may hand it on after the file closed: drop the noise.
+        with contextlib.suppress(OSError):
+            os.write(fd, "".join(traceback.format_exception(unraisable.exc_value)).encode(errors="replace"))
 
     try:
         sys.stderr.flush()
