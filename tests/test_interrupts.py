@@ -94,3 +94,13 @@ def test_two_signals_during_a_long_c_call_leave_at_once_with_one_line():
     _, err = proc.communicate(timeout=30)
     assert proc.returncode == INTERRUPTED_EXIT and time.monotonic() - start < 10
     assert err.splitlines() == ["interrupted during compile: nothing was being written; the workdir is as it was"]
+
+
+def test_a_finished_command_leaves_no_watcher_thread_behind():
+    """A watcher left blocked on a closed wakeup pipe would read the next command's pipe (same descriptor
+    number) and exit the process on its signals."""
+    import threading
+
+    for _ in range(3):
+        assert run_interruptible(lambda interrupts: 0, stream=io.StringIO()) == 0
+    assert not [t for t in threading.enumerate() if t.name == "interrupt-watcher"]

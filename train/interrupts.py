@@ -37,6 +37,7 @@ from types import FrameType, TracebackType
 from typing import Any, TextIO
 
 INTERRUPTED_EXIT = 130
+_STOP_WATCHING = b"\0"  # never a signal number, which the wakeup fd writes as one byte per signal
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
@@ -59,6 +60,7 @@ class Interrupts:
         self._previous: dict[int, Any] = {}
         self._wake_r: int | None = None
         self._wake_w: int | None = None
+        self._watcher: threading.Thread | None = None
         self._previous_wakeup = -1
         self._seen = 0  # counted by the watcher thread as they arrive
         self._redelivered = 0  # signals sent again by the handler (see _handle)
@@ -142,7 +144,7 @@ class Interrupts:
                 data = os.read(fd, 64)
             except OSError:
                 return
-            if not data:
+            if not data or _STOP_WATCHING in data:  # __exit__ asks the watcher to end before closing the pipe
                 return
             self._seen += len(data)
             # Two signals the main thread has not run its handler for: it is stuck in a C call (a compile).
@@ -158,7 +160,9 @@ class Interrupts:
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
         self._previous_wakeup = signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
-        threading.Thread(target=self._watch, args=(self._wake_r,), daemon=True, name="interrupt-watcher").start()
+        self._watcher = threading.Thread(target=self._watch, args=(self._wake_r,), daemon=True,
+                                         name="interrupt-watcher")
+        self._watcher.start()
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
@@ -169,6 +173,13 @@ class Interrupts:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
+        # End the watcher before closing its pipe: a thread blocked in read() on a closed descriptor would
+        # read whatever pipe reuses that number next (a later Interrupts') and act on its signals.
+        with contextlib.suppress(OSError, TypeError):
+            os.write(self._wake_w, _STOP_WATCHING)  # type: ignore[arg-type]
+        if self._watcher is not None:
+            self._watcher.join(timeout=5)
+            self._watcher = None
         for fd in (self._wake_w, self._wake_r):
             if fd is not None:
                 with contextlib.suppress(OSError):
