@@ -60,3 +60,26 @@ def reference_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[
 
     workdir = tmp_path_factory.mktemp("reference") / "run"
     return workdir, run.train(tiny_config(), workdir)
+
+
+class PassThrough:
+    """A batch source that hands everything on to `source`; tests subclass it to change some batches
+    (injected into the loop the way any batch source is: `run.train(..., batches=...)`)."""
+
+    def __init__(self, source):
+        self.source = source
+
+    def batch(self, step: int):
+        return self.source.batch(step)
+
+    def example_batch(self, step: int):
+        return self.source.example_batch(step)
+
+    def eval_batches(self, split: str):
+        return self.source.eval_batches(split)
+
+    def state(self):
+        return self.source.state()
+
+    def restore(self, state) -> None:
+        self.source.restore(state)

@@ -20,7 +20,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from conftest import STANDARD
+from conftest import STANDARD, PassThrough
 
 from train import run
 from train.__main__ import main
@@ -329,11 +329,12 @@ def test_disk_full_during_a_save_is_one_line_and_the_rerun_continues(whole, tmp_
 # --- non-finite values at padded positions -----------------------------------------------------------
 
 
-class PaddedWith:
-    """Every training batch padded with 16 more positions holding `pad_id` (a batch source wrapper)."""
+class PaddedWith(PassThrough):
+    """Every training batch padded with 16 more positions holding `pad_id`."""
 
     def __init__(self, source, pad_id: int):
-        self.source, self.pad_id = source, pad_id
+        super().__init__(source)
+        self.pad_id = pad_id
 
     def batch(self, step: int):
         out = dict(self.source.batch(step))
@@ -341,18 +342,6 @@ class PaddedWith:
         out["tokens"] = np.concatenate([out["tokens"], np.full((n, 16), self.pad_id, out["tokens"].dtype)], 1)
         out["valid_tokens"] = np.concatenate([out["valid_tokens"], np.zeros((n, 16), bool)], 1)
         return out
-
-    def example_batch(self, step: int):
-        return self.source.example_batch(step)
-
-    def eval_batches(self, split: str):
-        return self.source.eval_batches(split)
-
-    def state(self):
-        return self.source.state()
-
-    def restore(self, state) -> None:
-        self.source.restore(state)
 
 
 @pytest.mark.slow

@@ -19,6 +19,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from conftest import PassThrough
 
 from train import loop, run
 from train.batches import BatchSource
@@ -28,12 +29,12 @@ from train.metrics import read_event_records, read_jsonl
 ROOT = Path(__file__).resolve().parents[1]
 
 
-class Faulty:
-    """A batch source that passes batches through, with a fault at one step: injected into the loop
-    the way any batch source is (`run.train(..., batches=...)`)."""
+class Faulty(PassThrough):
+    """A batch source that passes batches through, with a fault at one step."""
 
     def __init__(self, source: BatchSource, step: int, fault, examples: bool = True):
-        self.source, self.step, self.fault, self.examples = source, step, fault, examples
+        super().__init__(source)
+        self.step, self.fault, self.examples = step, fault, examples
 
     def batch(self, step: int):
         out = self.source.batch(step)
@@ -42,15 +43,6 @@ class Faulty:
     def example_batch(self, step: int):
         out = self.source.example_batch(step)
         return self.fault(out) if step == self.step and self.examples else out
-
-    def eval_batches(self, split: str):
-        return self.source.eval_batches(split)
-
-    def state(self):
-        return self.source.state()
-
-    def restore(self, state) -> None:
-        self.source.restore(state)
 
 
 def out_of_vocabulary(batch):
