@@ -50,12 +50,18 @@ def _largest_file(step_dir: Path, item: str = "params") -> Path:
     return max(files, key=lambda p: p.stat().st_size)
 
 
-@pytest.fixture
-def saved(tmp_path):
-    """A workdir with checkpoints 10, 20, 30 of distinct parameters (seed = step)."""
+@pytest.fixture(scope="module")
+def states():
+    """Three TrainStates of distinct parameters (seed = step), built once: tests only save and read them."""
     cfg = _config()
+    return cfg, {s: _state(cfg, s, seed=s) for s in (10, 20, 30)}
+
+
+@pytest.fixture
+def saved(tmp_path, states):
+    """A workdir with checkpoints 10, 20, 30 of the three states."""
+    cfg, states = states
     ckpts = Checkpoints(tmp_path, cfg.checkpoint)
-    states = {s: _state(cfg, s, seed=s) for s in (10, 20, 30)}
     for state in states.values():
         assert ckpts.save(state, {"seed": 0, "label_names": ["a", "b"]})
     ckpts.wait()

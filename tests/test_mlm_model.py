@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import flax.linen as nn
@@ -31,7 +32,7 @@ def batch(seed: int = 0) -> tuple[jax.Array, jax.Array]:
 
 def init(model: MaskedLM, **kw: object) -> dict:
     tokens, valid = batch()
-    return nn.unbox(model.init(jax.random.key(0), tokens, valid, **kw)["params"])
+    return nn.unbox(jax.jit(functools.partial(model.init, **kw))(jax.random.key(0), tokens, valid)["params"])
 
 
 def test_tied_output_shares_the_embedding_and_gets_its_gradient() -> None:
@@ -67,8 +68,8 @@ def test_untied_output_has_its_own_kernel() -> None:
     assert params["output_kernel"].shape == (D, V)
     tokens, valid = batch()
     absent = next(t for t in range(2, V) if t not in np.asarray(tokens))
-    grads = jax.grad(lambda p: mlm_loss(model.apply({"params": p}, tokens, valid),
-                                        jnp.full((N, L), absent), valid)[0])(params)
+    grads = jax.jit(jax.grad(lambda p: mlm_loss(model.apply({"params": p}, tokens, valid),
+                                                jnp.full((N, L), absent), valid)[0]))(params)
     assert float(jnp.abs(grads["encoder"]["embedding"][absent]).sum()) == 0
     assert float(jnp.abs(grads["output_kernel"][:, absent]).sum()) > 0
 
@@ -79,13 +80,14 @@ def test_shapes_and_start_at_unit_logit_scale(tied: bool, transform: bool) -> No
     model = MaskedLM(config(), tie_embeddings=tied, transform=transform)
     params = init(model)
     tokens, valid = batch()
-    logits = model.apply({"params": params}, tokens, valid)
+    apply = jax.jit(model.apply)
+    logits = apply({"params": params}, tokens, valid)
     assert logits.shape == (N, L, V) and logits.dtype == jnp.float32
     # The untrained loss sits near ln V, not sqrt(D) nats above it (the tied scale in the docstring).
     std = float(jnp.std(logits))
     assert 0.3 < std < 3.0, std
     positions, _ = select_positions(valid & (jnp.arange(L) % 2 == 0)[None, :], 4)
-    picked = model.apply({"params": params}, tokens, valid, positions=positions)
+    picked = apply({"params": params}, tokens, valid, positions=positions)
     assert picked.shape == (N, 4, V)
     np.testing.assert_allclose(picked, jnp.take_along_axis(logits, positions[..., None], axis=1), atol=1e-5)
 
@@ -95,8 +97,9 @@ def test_padding_content_does_not_change_real_positions() -> None:
     params = init(model)
     tokens, valid = batch()
     other = jnp.where(valid, tokens, 7)  # different ids in the padded slots
-    a = model.apply({"params": params}, tokens, valid)
-    b = model.apply({"params": params}, other, valid)
+    apply = jax.jit(model.apply)
+    a = apply({"params": params}, tokens, valid)
+    b = apply({"params": params}, other, valid)
     np.testing.assert_allclose(np.asarray(a)[np.asarray(valid)], np.asarray(b)[np.asarray(valid)], atol=1e-5)
 
 
