@@ -1,22 +1,33 @@
 """Test setup: 8 simulated CPU devices and strict rank promotion, before JAX is imported."""
 
+import atexit
+import importlib.metadata
 import os
+import shutil
 import tempfile
 
-# LLVM optimisation level 0: most of the suite's time is compiling hundreds of tiny programs whose machine
-# code's speed does not matter (about a fifth less time; the suite passes at either level). The
-# `python -m train` subprocesses of the tests drop these flags and compile as users do.
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
-).strip()
+# Most of the suite's time is XLA compiling hundreds of tiny programs whose run time does not matter. For
+# the jaxlib the project pins, two CPU compiler settings halve that: LLVM optimisation level 0 and the
+# classic elemental emitters instead of the fusion emitters (the suite passes either way; an unknown flag
+# would abort XLA, so other jaxlib versions keep the defaults). The `python -m train` subprocesses of the
+# tests drop XLA_FLAGS and compile as users do.
+_FLAGS = "--xla_force_host_platform_device_count=8"
+if importlib.metadata.version("jaxlib").startswith("0.10."):
+    _FLAGS += " --xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+if _FLAGS not in os.environ.get("XLA_FLAGS", ""):  # xdist workers inherit the controller's flags
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FLAGS).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# One persistent compilation cache per session: every test that rebuilds a state from the same config
-# compiles the same programs (the in-memory jit cache misses on new optimizer closures), and the
-# `python -m train` subprocesses inherit the variable and reuse them too.
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="jaxblock-test-xla-cache-"))
+# One persistent compilation cache per session, shared by the xdist workers and the `python -m train`
+# subprocesses (they inherit the variable): every test that rebuilds a state from the same config compiles
+# the same programs (the in-memory jit cache misses on new optimizer closures). The cache key holds the
+# XLA flags, so the subprocesses' programs stay their own.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _cache = tempfile.mkdtemp(prefix="jaxblock-test-xla-cache-")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
+    atexit.register(shutil.rmtree, _cache, ignore_errors=True)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 
-import jax
+import jax  # noqa: E402
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
 jax.config.update("jax_default_matmul_precision", "highest")
@@ -35,14 +46,25 @@ STANDARD = ["parallel.strategy=single", "train.progress=false", "train.steps=10"
             "checkpoint.max_to_keep=5", "train.eval_every=5", "train.log_every=1", "train.diagnostics_every=5"]
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int | None:
+    """`-n auto` runs the default suite on every core, but a selection with slow cases in one process:
+    they time multi-process runs, kill -9 and interrupts, and each wants the whole machine."""
+    return None if "not slow" in (config.option.markexpr or "") else 0
+
+
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The suite runs on every core (`-n auto --dist loadgroup`, pyproject.toml) with one group per file, so
     a file's first compiles happen on one worker only, and one group for the tests that read the shared
     reference run, so it is built once."""
+    def reads_reference(item: pytest.Item) -> bool:
+        return "reference_run" in getattr(item, "fixturenames", ())
+
     for item in items:
-        uses_reference = "reference_run" in getattr(item, "fixturenames", ())
-        item.add_marker(pytest.mark.xdist_group("reference_run" if uses_reference else item.nodeid.split("::")[0]))
+        group = "reference_run" if reads_reference(item) else item.nodeid.split("::")[0]
+        item.add_marker(pytest.mark.xdist_group(group))
+    items.sort(key=lambda item: not reads_reference(item))  # the largest group starts first (a stable sort)
 
 
 def tiny_config(*overrides: str) -> Any:

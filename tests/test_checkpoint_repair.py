@@ -51,20 +51,26 @@ def _largest_file(step_dir: Path, item: str = "params") -> Path:
 
 
 @pytest.fixture(scope="module")
-def states():
-    """Three TrainStates of distinct parameters (seed = step), built once: tests only save and read them."""
+def states(tmp_path_factory):
+    """Three TrainStates of distinct parameters (seed = step) and a workdir holding them as checkpoints
+    10, 20, 30, made once: each test damages a copy."""
     cfg = _config()
-    return cfg, {s: _state(cfg, s, seed=s) for s in (10, 20, 30)}
+    states = {s: _state(cfg, s, seed=s) for s in (10, 20, 30)}
+    template = tmp_path_factory.mktemp("saved")
+    ckpts = Checkpoints(template, cfg.checkpoint)
+    for state in states.values():
+        assert ckpts.save(state, {"seed": 0, "label_names": ["a", "b"]})
+    ckpts.wait()
+    ckpts.close()
+    return cfg, states, template
 
 
 @pytest.fixture
 def saved(tmp_path, states):
-    """A workdir with checkpoints 10, 20, 30 of the three states."""
-    cfg, states = states
+    """A fresh copy of the workdir with checkpoints 10, 20, 30, opened as a run opens it."""
+    cfg, states, template = states
+    shutil.copytree(template, tmp_path, dirs_exist_ok=True)
     ckpts = Checkpoints(tmp_path, cfg.checkpoint)
-    for state in states.values():
-        assert ckpts.save(state, {"seed": 0, "label_names": ["a", "b"]})
-    ckpts.wait()
     yield cfg, ckpts, states
     ckpts.close()
 
