@@ -362,6 +362,8 @@ def test_per_head_src_mask_must_agree_across_heads():
         ({"causal": True}, "causal"),
         ({"ablate": "ffn"}, "ablate"),
         ({"dtype": "bfloat16"}, "bfloat16"),
+        ({"qkv_bias": False}, "qkv_bias=False with use_bias=True"),
+        ({"use_bias": False, "out_bias": True}, "out_bias=True with use_bias=False"),
     ],
 )
 def test_to_torch_rejects_what_torch_cannot_express(update, named):

@@ -103,6 +103,10 @@ def _check_expressible(cfg: BlockConfig) -> None:
          "set dtype equal to param_dtype (use torch.autocast for mixed precision)"),
         (cfg.causal, "causal=True (PyTorch takes is_causal at call time)",
          "convert with causal=False and call with torch_call_kwargs(..., causal=True)"),
+        (cfg.has_qkv_bias != cfg.use_bias, f"qkv_bias={cfg.qkv_bias} with use_bias={cfg.use_bias}",
+         "PyTorch's bias= covers every sublayer: leave qkv_bias unset"),
+        (cfg.has_out_bias != cfg.use_bias, f"out_bias={cfg.out_bias} with use_bias={cfg.use_bias}",
+         "PyTorch's bias= covers every sublayer: leave out_bias unset"),
     ]
     for bad, what, fix in problems:
         if bad:
