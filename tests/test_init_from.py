@@ -174,7 +174,11 @@ def test_hf_bert_plan_loads_its_encoder_tokenizer_and_pooling(tmp_path):
     tok = plan.dataset.tokenizer
     ids = tok.encode("3 4")
     assert tok.kind == "pretrained" and tok.pad_id == 0 and len(ids) == 4
-    assert (ids[0], ids[-1]) == (tok._tok.token_to_id("[CLS]"), tok._tok.token_to_id("[SEP]"))
+    cls_id, sep_id = tok._tok.token_to_id("[CLS]"), tok._tok.token_to_id("[SEP]")
+    assert (ids[0], ids[-1]) == (cls_id, sep_id)
+    # 16 symbols + [CLS] + [SEP] do not fit max_len 16: the row is cut inside the text and still ends in [SEP].
+    assert plan.dataset.truncated["train"] > 0
+    assert all(len(r) <= 16 and r[0] == cls_id and r[-1] == sep_id for r in plan.dataset.train.tokens)
     _, want = from_hf(path, max_len=16)
     got = leaves(plan.initial_state().params["encoder"])
     want_leaves = leaves(want["params"])

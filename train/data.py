@@ -31,7 +31,15 @@ from train.sources import (
     load_vader,
     synthetic_examples,
 )
-from train.tokenizer import BpeTokenizer, ByteTokenizer, IdTokenizer, Tokenizer, has_tokenizer, load_tokenizer
+from train.tokenizer import (
+    BpeTokenizer,
+    ByteTokenizer,
+    IdTokenizer,
+    Tokenizer,
+    has_tokenizer,
+    load_tokenizer,
+    truncate,
+)
 
 __all__ = [
     "BpeTokenizer", "ByteTokenizer", "DataError", "Dataset", "IdTokenizer", "Split", "Tokenizer",
@@ -121,7 +129,7 @@ def _tokenizer(cfg: DataConfig, train_texts: list[str], tokenizer_dir: Path | No
 def _encode_split(tok: Tokenizer, texts: list[str], labels: np.ndarray, max_len: int) -> tuple[Split, int]:
     full = [tok.encode(t) for t in texts]
     truncated = sum(len(ids) > max_len for ids in full)
-    tokens = [np.asarray(ids[:max_len], np.int32) for ids in full]
+    tokens = [np.asarray(truncate(tok, ids, max_len), np.int32) for ids in full]
     return Split(tokens, np.asarray(labels, np.int32), texts, tok.pad_id), truncated
 
 
@@ -237,7 +245,7 @@ def encode_texts(tokenizer: Tokenizer, texts: list[str], max_len: int, buckets: 
     """Tokenize free text for `predict`: one row per text, truncated to max_len, labels -1."""
     if not texts:
         raise DataError("no text to classify: pass one or more texts")
-    rows = [np.asarray(tokenizer.encode(t)[:max_len], np.int32) for t in texts]
+    rows = [np.asarray(truncate(tokenizer, tokenizer.encode(t), max_len), np.int32) for t in texts]
     empty = [i for i, r in enumerate(rows) if len(r) == 0]
     if empty:
         raise DataError(f"text {empty[0] + 1} is empty: pass non-empty text")

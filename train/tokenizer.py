@@ -115,6 +115,12 @@ class PretrainedTokenizer:
         self._tok = tokenizer
         self.vocab_size = tokenizer.get_vocab_size()
         self.pad_id = pad_id
+        # The special tokens the post-processor puts after the text ([SEP] for BERT, </s> for RoBERTa, none
+        # for Llama), found from one probe: a truncated row keeps them, as transformers' truncation does.
+        bare = tokenizer.encode("a", add_special_tokens=False).ids
+        full = tokenizer.encode("a", add_special_tokens=True).ids
+        starts = [i for i in range(len(full) - len(bare) + 1) if full[i:i + len(bare)] == bare]
+        self.closing: list[int] = list(full[starts[0] + len(bare):]) if bare and starts else []
 
     @classmethod
     def from_file(cls, path: Path, pad_id: int) -> PretrainedTokenizer:
@@ -151,6 +157,17 @@ class IdTokenizer:
 
     def save(self, directory: Path) -> None:
         _write_config(directory, {"kind": self.kind, "vocab_size": self.vocab_size, "symbols": self.symbols})
+
+
+def truncate(tokenizer: Tokenizer, ids: list[int], max_len: int) -> list[int]:
+    """`ids` cut to `max_len`, keeping the closing special tokens of a pretrained tokenizer (a BERT row
+    still ends in [SEP])."""
+    if len(ids) <= max_len:
+        return ids
+    closing = getattr(tokenizer, "closing", [])
+    if not closing or len(closing) >= max_len:
+        return ids[:max_len]
+    return ids[:max_len - len(closing)] + closing
 
 
 def has_tokenizer(directory: Path | None) -> bool:
