@@ -196,6 +196,16 @@ def test_evaluate_and_predict_on_a_damaged_checkpoint(reference_run, tmp_path, c
     assert captured.out.endswith("checkpoint 5)\n")
     assert committed_steps(workdir / "checkpoints") == [5, 10]  # read-only: nothing moved
 
+    # diagnose reads the same way: the note, then the report of checkpoint 5 (exit 0, or 1 for a failed check)
+    assert main(["diagnose", "--workdir", str(workdir), "--random", "--out", str(tmp_path / "diagnosis")]) in (0, 1)
+    captured = capsys.readouterr()
+    clean(captured.err)
+    assert one_line(captured.err, "checkpoint 10 is damaged (params/").endswith("using checkpoint 5 (the next "
+                                                                               "training run on this workdir "
+                                                                               "moves the damaged one aside)")
+    assert (tmp_path / "diagnosis" / "report.md").is_file()
+    assert committed_steps(workdir / "checkpoints") == [5, 10]
+
     assert main(["predict", "--workdir", str(workdir), "--step", "10", "1 2 3"]) == 2
     err = capsys.readouterr().err
     clean(err)

@@ -71,12 +71,15 @@ def main(argv: list[str]) -> int:
 
 def _load(args: argparse.Namespace) -> tuple[Config, Any, Path | None]:
     if args.workdir:
-        from train.checkpoint import TOKENIZER_DIR, CheckpointError, load_for_inference
+        from train.checkpoint import TOKENIZER_DIR, CheckpointError
+        from train.inference import restore_for_inference
 
-        try:
-            config, params, _, _ = load_for_inference(Path(args.workdir))
+        try:  # as evaluate does: a damaged checkpoint is named and the newest that restores is used
+            config, params, _, _, notes = restore_for_inference(Path(args.workdir))
         except CheckpointError as err:
             raise UsageError(str(err)) from None
+        for note in notes:
+            print(f"note: {note}", file=sys.stderr)
         return config, params, Path(args.workdir) / TOKENIZER_DIR
     if not args.config:
         raise UsageError("diagnose needs --config C (a fresh model) or --workdir W (a trained run)")
