@@ -217,7 +217,10 @@ def test_cli_fine_tunes_a_transformers_checkpoint_then_evaluates_and_predicts(tm
     evaluated = _cli("evaluate", "--workdir", str(work))
     assert evaluated.returncode == 0 and "test: accuracy" in evaluated.stdout, evaluated.stderr
     predicted = _cli("predict", "--workdir", str(work), "3 4 5 3", "1 2")
-    assert predicted.returncode == 0 and len(predicted.stdout.strip().splitlines()) == 2, predicted.stderr
+    assert predicted.returncode == 0, predicted.stderr
+    header, *rows = predicted.stdout.strip().splitlines()
+    assert header.split("\t") == ["label", "probability", "truncated", "text"]
+    assert [row.split("\t")[-1] for row in rows] == ["3 4 5 3", "1 2"]
     metrics = [json.loads(line) for line in (work / "metrics.jsonl").read_text().splitlines()]
     losses = [m["loss"] for m in metrics if m.get("split") == "train" and "loss" in m]
     assert losses and all(np.isfinite(losses))
