@@ -12,6 +12,7 @@ import numpy as np
 
 from jaxblock.interop.hf.convert import from_hf, state_dict
 from jaxblock.interop.torch import Check, ParityReport
+from jaxblock.interop.torch.parity import eval_with_grads
 from jaxblock.model import Classifier, Encoder
 
 # (forward max abs diff at real positions, relative L2 gradient error) by our compute dtype, against the
@@ -37,31 +38,18 @@ def _run_hf(model: Any, tokens: np.ndarray, valid: np.ndarray, types: np.ndarray
             loss_w: np.ndarray) -> tuple[np.ndarray, list[np.ndarray], dict[str, np.ndarray]]:
     import torch
 
+    kw: dict[str, Any] = {"input_ids": torch.from_numpy(tokens).long(),
+                          "attention_mask": torch.from_numpy(valid.astype(np.int64))}
+    if types is not None:
+        kw["token_type_ids"] = torch.from_numpy(types).long()
     outs: list[Any] = []
     hooks = [layer.register_forward_hook(lambda m, a, o: outs.append(o[0] if isinstance(o, tuple) else o))
              for layer in _layers(model)]
-    was_training = model.training
-    flags = {p: p.requires_grad for p in model.parameters()}
-    try:
-        model.eval()
-        names, params = zip(*model.named_parameters(), strict=True)
-        for p in params:
-            p.requires_grad_(True)
-        kw: dict[str, Any] = {"input_ids": torch.from_numpy(tokens).long(),
-                              "attention_mask": torch.from_numpy(valid.astype(np.int64))}
-        if types is not None:
-            kw["token_type_ids"] = torch.from_numpy(types).long()
-        with torch.enable_grad():
-            out = model(**kw)
-            y = out.logits if hasattr(out, "logits") else out.last_hidden_state
-            loss = (y.float() * torch.from_numpy(loss_w)).sum()
-            grads = torch.autograd.grad(loss, params, allow_unused=True)
-    finally:
-        for h in hooks:
-            h.remove()
-        model.train(was_training)
-        for p, flag in flags.items():
-            p.requires_grad_(flag)
+    with eval_with_grads(model, hooks) as (names, params):
+        out = model(**kw)
+        y = out.logits if hasattr(out, "logits") else out.last_hidden_state
+        loss = (y.float() * torch.from_numpy(loss_w)).sum()
+        grads = torch.autograd.grad(loss, params, allow_unused=True)
     g = {n: gr.detach().float().numpy() for n, gr in zip(names, grads, strict=True) if gr is not None}
     return y.detach().float().numpy(), [o.detach().float().numpy() for o in outs], g
 

@@ -18,9 +18,10 @@ finite there. Parity is therefore measured at real positions only.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -197,6 +198,27 @@ def _torch_layers(module: torch.nn.Module) -> list[torch.nn.TransformerEncoderLa
     raise TypeError(f"compare takes nn.TransformerEncoderLayer or nn.TransformerEncoder, got {type(module).__name__}")
 
 
+@contextlib.contextmanager
+def eval_with_grads(module: torch.nn.Module, hooks: list[Any]) -> Iterator[tuple[tuple[str, ...], tuple[Any, ...]]]:
+    """`module` in eval mode under autograd with every parameter requiring grad, yielding (names, params);
+    afterwards the hooks are removed and its training mode and requires_grad flags are as they were."""
+    was_training = module.training
+    flags = {p: p.requires_grad for p in module.parameters()}
+    try:
+        module.eval()
+        names, params = zip(*module.named_parameters(), strict=True)
+        for p in params:
+            p.requires_grad_(True)
+        with torch.enable_grad():
+            yield names, params
+    finally:
+        for h in hooks:
+            h.remove()
+        module.train(was_training)
+        for p, flag in flags.items():
+            p.requires_grad_(flag)
+
+
 def _run_torch(
     module: torch.nn.Module, layers: list[Any], x: np.ndarray, valid: np.ndarray | None, src_mask: Any,
     is_causal: bool, loss_w: np.ndarray, batch_first: bool,
@@ -225,8 +247,6 @@ def _run_torch(
                 mod, use_input = getattr(layer, _TORCH_SITE[reader.module]), True
             hooks.append(mod.register_forward_hook(keep(store, site.name, use_input)))
 
-    was_training = module.training
-    flags = {p: p.requires_grad for p in module.parameters()}
     kw: dict[str, Any] = {"is_causal": is_causal}
     length = x.shape[1] if batch_first else x.shape[0]
     if is_causal and src_mask is None:
@@ -240,23 +260,12 @@ def _run_torch(
         if src_mask is not None and src_mask.dtype != torch.bool:  # PyTorch wants both masks of one kind
             kpm = torch.zeros(kpm.shape, dtype=param_dtype).masked_fill(kpm, -math.inf)
         kw["src_key_padding_mask"] = kpm
-    try:
-        module.eval()
-        names, params = zip(*module.named_parameters(), strict=True)
-        for p in params:
-            p.requires_grad_(True)
-        with torch.enable_grad():
-            xt = torch.tensor(x, dtype=param_dtype, requires_grad=True)
-            out = module(xt, **kw)
-            out_nld = out if batch_first else out.transpose(0, 1)
-            loss = (out_nld.float() * torch.from_numpy(loss_w)).sum()
-            grads = torch.autograd.grad(loss, [xt, *params])
-    finally:
-        for h in hooks:
-            h.remove()
-        module.train(was_training)
-        for p, flag in flags.items():
-            p.requires_grad_(flag)
+    with eval_with_grads(module, hooks) as (names, params):
+        xt = torch.tensor(x, dtype=param_dtype, requires_grad=True)
+        out = module(xt, **kw)
+        out_nld = out if batch_first else out.transpose(0, 1)
+        loss = (out_nld.float() * torch.from_numpy(loss_w)).sum()
+        grads = torch.autograd.grad(loss, [xt, *params])
     t_grads = {"input": f32(grads[0])} | {n: f32(g) for n, g in zip(names, grads[1:], strict=True)}
     return f32(out), [{k: f32(v) for k, v in m.items()} for m in mids], t_grads
 
