@@ -248,6 +248,13 @@ def test_ctrl_c_at_start_up_is_one_line_and_writes_nothing(tmp_path):
     assert not (tmp_path / "w" / "checkpoints").exists()
 
 
+def start_until(workdir: Path, when: str) -> subprocess.Popen:
+    """A run of ARGS, once it is compiling (`when="compile"`) or has logged 7 training steps (`"step"`)."""
+    proc = start(workdir, ARGS)
+    wait_for(compiling(proc) if when == "compile" else train_steps_at_least(workdir, 7), proc)
+    return proc
+
+
 def stopped_summary(workdir: Path) -> dict:
     summary = json.loads((workdir / "summary.json").read_text())
     assert summary["preempted"] and (workdir / "curves.png").is_file()
@@ -257,11 +264,7 @@ def stopped_summary(workdir: Path) -> dict:
 @pytest.mark.slow
 @pytest.mark.parametrize("when", ["compile", "step"])
 def test_ctrl_c_once_saves_writes_the_summary_and_the_rerun_continues_exactly(whole, tmp_path, when):
-    proc = start(tmp_path, ARGS)
-    if when == "compile":
-        wait_for(compiling(proc), proc)
-    else:
-        wait_for(train_steps_at_least(tmp_path, 7), proc)
+    proc = start_until(tmp_path, when)
     proc.send_signal(signal.SIGINT)
     out, err = finish(proc)
     assert proc.returncode == 0, err
@@ -276,11 +279,7 @@ def test_ctrl_c_once_saves_writes_the_summary_and_the_rerun_continues_exactly(wh
 @pytest.mark.slow
 @pytest.mark.parametrize("when", ["compile", "step"])
 def test_ctrl_c_twice_stops_now_and_keeps_the_last_checkpoint(whole, tmp_path, when):
-    proc = start(tmp_path, ARGS)
-    if when == "compile":
-        wait_for(compiling(proc), proc)
-    else:
-        wait_for(train_steps_at_least(tmp_path, 7), proc)
+    proc = start_until(tmp_path, when)
     proc.send_signal(signal.SIGINT)
     time.sleep(0.05)
     proc.send_signal(signal.SIGINT)
