@@ -4,7 +4,7 @@
     python -m bench.naive_bayes --config configs/sentiment.yaml  # exactly that config's data split
     python -m bench.naive_bayes --source tweets data.split_seed=1
 
-The texts come from `train.data.load_dataset`, so train/validation/test are the very examples the
+The texts come from `train.data.labelled.load_dataset`, so train/validation/test are the very examples the
 classifier trains and is scored on. Exit codes: 0 success, 2 bad input (one line on stderr).
 """
 
@@ -18,7 +18,7 @@ from sklearn.feature_extraction.text import CountVectorizer
 from sklearn.naive_bayes import MultinomialNB
 
 from train.config import ConfigError, DataConfig, load_config
-from train.data import DataError, Dataset, load_dataset
+from train.data.labelled import DataError, Dataset, load_dataset
 
 
 def naive_bayes_accuracy(ds: Dataset) -> dict[str, float]:

@@ -82,7 +82,7 @@ def _sentences(ctx: Context, count: int, max_len: int) -> tuple[list[np.ndarray]
     """(token rows, labels, vocab size, source): the sentiment train split, or synthetic lengths."""
     try:
         from train.config import load_config
-        from train.data import load_dataset
+        from train.data.labelled import load_dataset
 
         data = load_config(ROOT / "configs" / "sentiment.yaml").data
         ds = load_dataset(data)
@@ -99,7 +99,7 @@ def _sentences(ctx: Context, count: int, max_len: int) -> tuple[list[np.ndarray]
 
 def _classifier_step() -> Any:
     """The trainer's classification loss through its `gradient_step` (padded or packed batches alike)."""
-    from train.step import gradient_step, loss_fn_for
+    from train.loop.step import gradient_step, loss_fn_for
     from train.tasks import CLASSIFICATION
 
     def step(state: Any, batch: dict[str, jax.Array], rng: jax.Array) -> tuple[Any, jax.Array]:
@@ -112,8 +112,8 @@ def _classifier_step() -> Any:
 def packing(ctx: Context) -> list[Record]:
     from jaxblock.model import Classifier
     from train.config import Config, load_config
-    from train.data import Split, eval_batches, pack_examples, top_up
-    from train.state import init_params as init_classifier_params
+    from train.data.labelled import Split, eval_batches, pack_examples, top_up
+    from train.loop.state import init_params as init_classifier_params
 
     path = ROOT / "configs" / "sentiment.yaml"
     cfg = load_config(path) if path.is_file() else Config()

@@ -28,10 +28,10 @@ from typing import Any
 
 import numpy as np
 
-from train.corpus import generate_corpus, parse_size
-from train.masking import MaskingSpec
-from train.stream import BatchStream, StreamConfig
-from train.tokenizer import BpeTokenizer
+from train.data.corpus import generate_corpus, parse_size
+from train.data.masking import MaskingSpec
+from train.data.stream import BatchStream, StreamConfig
+from train.data.tokenizer import BpeTokenizer
 
 ROWS, ROW_LEN, SEGMENTS = 32, 64, 8  # the main job's rows of 64 tokens; 32 rows ~ 64-100 sentences
 
@@ -71,7 +71,7 @@ def _peak_rss_mb() -> float:
 
 def child_rss(corpus: str, tokenizer_dir: str, batches: int) -> None:
     """Run in a fresh process: open the stream, draw batches, print peak RSS and timings as JSON."""
-    from train.tokenizer import load_tokenizer
+    from train.data.tokenizer import load_tokenizer
     tok = load_tokenizer(Path(tokenizer_dir))
     baseline = _peak_rss_mb()  # interpreter, NumPy, Grain, JAX, tokenizer
     start = time.perf_counter()
@@ -101,8 +101,8 @@ def step_rates(corpus: Path, tok: Any, steps: int) -> dict[str, float]:
 
     from jaxblock.model import Classifier
     from train.config import load_config
-    from train.state import create_state, init_params
-    from train.step import train_step
+    from train.loop.state import create_state, init_params
+    from train.loop.step import train_step
     from train.tasks import CLASSIFICATION
 
     cfg = load_config(Path(__file__).parent.parent / "configs" / "sentiment.yaml",

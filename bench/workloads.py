@@ -1,6 +1,6 @@
 """The two implementations under test, built from one config and one set of weights.
 
-Ours: `jaxblock.EncoderStack` with a jitted training step (the trainer's `train.step.gradient_step`:
+Ours: `jaxblock.EncoderStack` with a jitted training step (the trainer's `train.loop.step.gradient_step`:
 forward, backward, global-norm clipping at 1.0, AdamW lr 1e-4 / weight decay 0.01 on every parameter,
 the state donated) and a jitted
 forward for inference. Theirs: `torch.nn.TransformerEncoder` built by `jaxblock.interop.torch.to_torch`
@@ -30,7 +30,7 @@ from flax.training.train_state import TrainState
 import jaxblock
 from jaxblock.config import BlockConfig, StackConfig
 from jaxblock.model import stack_layer_params
-from train.step import gradient_step
+from train.loop.step import gradient_step
 
 LR, WEIGHT_DECAY, CLIP = 1e-4, 0.01, 1.0
 

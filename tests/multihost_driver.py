@@ -4,7 +4,7 @@
 
 Joins jax.distributed on 127.0.0.1:P with `--devices` CPU devices, trains STEPS sharded steps (FSDP 2 x
 data, so parameters really are split across the hosts) on global batches that are a pure function of
-the step, loads only this process's share of each, saves a checkpoint with train.checkpoint from every
+the step, loads only this process's share of each, saves a checkpoint with train.checkpoints.store from every
 process, and has process 0 write the losses and a final evaluation to DIR/result.json.
 """
 
@@ -52,9 +52,9 @@ def run(parallel: dict[str, Any], out: Path | None) -> dict[str, Any]:
     import jax
 
     from jaxblock import Classifier
-    from train import parallel as par
-    from train.checkpoint import Checkpoints
-    from train.state import abstract_init, create_state, init_params
+    from train.checkpoints.store import Checkpoints
+    from train.devices import runners as par
+    from train.loop.state import abstract_init, create_state, init_params
 
     config = tiny_config(parallel)
     par.initialize_distributed(config.parallel)

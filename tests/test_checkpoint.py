@@ -15,7 +15,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from train import run
-from train.checkpoint import (
+from train.checkpoints.store import (
     CheckpointError,
     Checkpoints,
     check_compatible,
@@ -72,7 +72,7 @@ def test_the_loop_saves_the_batch_source_state_with_each_checkpoint(reference_ru
 
 
 def ckpts_target(workdir: Path):
-    from train.state import create_state, init_params
+    from train.loop.state import create_state, init_params
     from train.tasks import CLASSIFICATION
 
     config = read_run_config(workdir)

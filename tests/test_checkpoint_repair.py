@@ -19,10 +19,10 @@ import numpy as np
 import pytest
 
 from jaxblock.model import Classifier
-from train.checkpoint import CHECKPOINT_DIR, Checkpoints, DamagedCheckpointError, check_compatible
-from train.checkpoint_repair import DAMAGE_NOTE, committed_steps, restore_newest_good
+from train.checkpoints.repair import DAMAGE_NOTE, committed_steps, restore_newest_good
+from train.checkpoints.store import CHECKPOINT_DIR, Checkpoints, DamagedCheckpointError, check_compatible
 from train.config import Config, load_config
-from train.state import create_state, init_params
+from train.loop.state import create_state, init_params
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -185,8 +185,8 @@ import json, sys
 sys.path.insert(0, sys.argv[2])
 from pathlib import Path
 from test_checkpoint_repair import _state
-from train.checkpoint import Checkpoints, read_run_config
-from train.checkpoint_repair import restore_newest_good
+from train.checkpoints.store import Checkpoints, read_run_config
+from train.checkpoints.repair import restore_newest_good
 workdir = Path(sys.argv[1])
 cfg = read_run_config(workdir)
 ckpts, target = Checkpoints(workdir, cfg.checkpoint), _state(cfg)

@@ -16,8 +16,8 @@ import pytest
 from conftest import STANDARD as FAST
 
 from train.__main__ import main
-from train.checkpoint import load_for_inference
-from train.data import encode_texts
+from train.checkpoints.store import load_for_inference
+from train.data.labelled import encode_texts
 from train.tasks import CLASSIFICATION
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,4 +1,4 @@
-"""train/data.py, train/tokenizer.py, train/sources.py: tokenizers, sources, split, batches, packing."""
+"""train/data/ (labelled.py, tokenizer.py, datasets.py): tokenizers, sources, split, batches, packing."""
 
 from __future__ import annotations
 
@@ -12,9 +12,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from train import sources
 from train.config import DataConfig
-from train.data import (
+from train.data import datasets as sources
+from train.data.datasets import synthetic_examples
+from train.data.labelled import (
     BpeTokenizer,
     ByteTokenizer,
     DataError,
@@ -28,7 +29,6 @@ from train.data import (
     train_batch,
     unpack_examples,
 )
-from train.sources import synthetic_examples
 
 BUCKETS = [8, 16, 32]
 

@@ -11,7 +11,7 @@ import resource
 
 import pytest
 
-from train.metrics import JSONL_FILE, DiskFullError, MetricsLog, atomic_write, read_jsonl
+from train.workdir.records import JSONL_FILE, DiskFullError, MetricsLog, atomic_write, read_jsonl
 
 
 @contextlib.contextmanager
@@ -82,7 +82,7 @@ def test_other_write_errors_are_not_reported_as_a_full_disk(tmp_path):
 
 
 def test_a_checkpoint_save_that_ran_out_of_space_is_one_line():
-    from train.checkpoint_repair import save_failed_for_space
+    from train.checkpoints.repair import save_failed_for_space
 
     # The error Orbax's async save raised from wait_until_finished on a full 700 KiB tmpfs (abridged).
     seen = ValueError(

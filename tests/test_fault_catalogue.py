@@ -24,9 +24,9 @@ from conftest import STANDARD, PassThrough
 
 from train import run
 from train.__main__ import main
-from train.checkpoint import latest_step, load_for_inference
-from train.checkpoint_repair import DAMAGE_NOTE, committed_steps
-from train.metrics import read_jsonl
+from train.checkpoints.repair import DAMAGE_NOTE, committed_steps
+from train.checkpoints.store import latest_step, load_for_inference
+from train.workdir.records import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs/tiny.yaml")

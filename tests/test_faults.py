@@ -21,10 +21,11 @@ import numpy as np
 import pytest
 from conftest import PassThrough
 
-from train import loop, run
-from train.batches import BatchSource
-from train.checkpoint import latest_step, load_for_inference
-from train.metrics import read_event_records, read_jsonl
+from train import run
+from train.checkpoints.store import latest_step, load_for_inference
+from train.data.batches import BatchSource
+from train.loop import trainer as loop
+from train.workdir.records import read_event_records, read_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
 

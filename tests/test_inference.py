@@ -9,8 +9,8 @@ import jax
 import numpy as np
 import pytest
 
-from train.checkpoint import CheckpointError, load_for_inference
-from train.data import DataError, encode_texts
+from train.checkpoints.store import CheckpointError, load_for_inference
+from train.data.labelled import DataError, encode_texts
 from train.inference import TrainedRun
 from train.tasks import CLASSIFICATION
 

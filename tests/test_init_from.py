@@ -15,7 +15,7 @@ from conftest import TINY, tiny_config
 
 from train import run
 from train.__main__ import main
-from train.checkpoint import load_for_inference
+from train.checkpoints.store import load_for_inference
 from train.config import ConfigError
 from train.init_from import INIT_DIR
 

@@ -16,14 +16,16 @@ import pytest
 import yaml
 
 from jaxblock.model import Classifier
-from train import data, loop, run
-from train.batches import InMemoryBatches
-from train.checkpoint import load_for_inference
-from train.metrics import MetricsLog, read_event_records, read_jsonl
-from train.state import create_state, init_params
-from train.step import loss_fn_for
-from train.step import train_step as task_train_step
+from train import run
+from train.checkpoints.store import load_for_inference
+from train.data import labelled as data
+from train.data.batches import InMemoryBatches
+from train.loop import trainer as loop
+from train.loop.state import create_state, init_params
+from train.loop.step import loss_fn_for
+from train.loop.step import train_step as task_train_step
 from train.tasks import CLASSIFICATION
+from train.workdir.records import MetricsLog, read_event_records, read_jsonl
 
 NOWHERE = Path("/tmp/jaxblock-plan-only-never-written")
 train_step = functools.partial(task_train_step, CLASSIFICATION)

@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from train.masking import MaskingSpec, mask_batch, word_start_table
-from train.tokenizer import BpeTokenizer, ByteTokenizer, IdTokenizer
+from train.data.masking import MaskingSpec, mask_batch, word_start_table
+from train.data.tokenizer import BpeTokenizer, ByteTokenizer, IdTokenizer
 
 V = 1000
 SPEC = MaskingSpec(mask_id=V, first_regular_id=2, random_high=V)

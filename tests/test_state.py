@@ -1,4 +1,4 @@
-"""train/state.py: which parameters take weight decay, the learning-rate schedules (values computed by
+"""train/loop/state.py: which parameters take weight decay, the learning-rate schedules (values computed by
 hand at chosen steps), and the one abstract init that gives both parameter shapes and logical specs."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec
 from jaxblock.config import EncoderConfig
 from jaxblock.model import Classifier
 from train.config import OptimConfig
-from train.state import abstract_init, create_state, decay_mask, init_params, make_schedule
+from train.loop.state import abstract_init, create_state, decay_mask, init_params, make_schedule
 
 MODEL = EncoderConfig(vocab_size=20, max_len=8, num_layers=1, num_classes=2,
                       block={"model_dim": 16, "num_heads": 2, "ffn_dim": 32})

@@ -8,11 +8,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from train.corpus import generate_corpus, parse_size
-from train.masking import MaskingSpec
-from train.sources import DataError
-from train.stream import BatchStream, CorpusBlocks, StreamConfig, corpus_files, shard_range
-from train.tokenizer import ByteTokenizer, IdTokenizer
+from train.data.corpus import generate_corpus, parse_size
+from train.data.datasets import DataError
+from train.data.masking import MaskingSpec
+from train.data.stream import BatchStream, CorpusBlocks, StreamConfig, corpus_files, shard_range
+from train.data.tokenizer import ByteTokenizer, IdTokenizer
 
 LINES = 600
 TOK = IdTokenizer(LINES)  # line i is the single word "i" -> token i + 2: every example names its line

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from train.workdir_lock import LOCK_FILE, WorkdirBusyError, WorkdirLock, describe_holder
+from train.workdir.lock import LOCK_FILE, WorkdirBusyError, WorkdirLock, describe_holder
 
 HOLDER = """
 import sys, time
-from train.workdir_lock import WorkdirLock
+from train.workdir.lock import WorkdirLock
 lock = WorkdirLock(sys.argv[1], command="train --workdir w").acquire()
 print("locked", flush=True)
 time.sleep(120)

@@ -111,7 +111,7 @@ def _quiet_libraries() -> None:
 def cmd_train(argv: list[str], interrupts: Any = None) -> int:
     args = _train_parser().parse_intermixed_args(argv)  # overrides before or after the flags
     from train import run
-    from train.parallel import is_primary
+    from train.devices.runners import is_primary
 
     workdir = Path(args.workdir)
     summary = run.train(run.config_for_workdir(args.config, args.overrides, workdir), workdir, interrupts=interrupts)
@@ -143,7 +143,7 @@ def cmd_evaluate(argv: list[str], interrupts: Any = None) -> int:
 
 
 def _read_texts(args: argparse.Namespace) -> list[str]:
-    from train.sources import DataError
+    from train.data.datasets import DataError
 
     texts: list[str] = []
     for text in args.texts:
@@ -257,14 +257,14 @@ def _main(argv: list[str], whole_process: bool) -> int:
     else:
         command = cmd_train
     _quiet_libraries()
-    from train.checkpoint import CheckpointError
+    from train.checkpoints.store import CheckpointError
     from train.config import ConfigError
+    from train.data.datasets import DataError
     from train.interrupts import run_interruptible
-    from train.loop import HaltError
-    from train.metrics import DiskFullError
+    from train.loop.trainer import HaltError
     from train.run import WorkdirError
-    from train.sources import DataError
-    from train.workdir_lock import WorkdirBusyError
+    from train.workdir.lock import WorkdirBusyError
+    from train.workdir.records import DiskFullError
 
     def run(interrupts: Any) -> int:
         try:

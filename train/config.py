@@ -166,7 +166,7 @@ class MeshConfig(_Section):
 
 
 class ParallelConfig(_Section):
-    """How a step runs on many devices and hosts (train/parallel.py).
+    """How a step runs on many devices and hosts (train/devices/runners.py).
 
     `train.batch_size` is the global batch: all devices of all hosts together. Each host loads its
     contiguous share (batch_size / hosts) and each data-parallel device (data x fsdp for sharded,

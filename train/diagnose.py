@@ -23,8 +23,8 @@ from jaxblock import diagnostics as dg
 from jaxblock.masks import lengths_to_valid_tokens
 from jaxblock.model import Classifier
 from train.config import Config, ConfigError, load_config
-from train.sources import DataError
-from train.state import init_params
+from train.data.datasets import DataError
+from train.loop.state import init_params
 from train.tasks import CLASSIFICATION
 
 USAGE_EXIT, FAILED_EXIT = 2, 1
@@ -71,7 +71,7 @@ def main(argv: list[str]) -> int:
 
 def _load(args: argparse.Namespace) -> tuple[Config, Any, Path | None]:
     if args.workdir:
-        from train.checkpoint import TOKENIZER_DIR, CheckpointError
+        from train.checkpoints.store import TOKENIZER_DIR, CheckpointError
         from train.inference import restore_for_inference
 
         try:  # as evaluate does: a damaged checkpoint is named and the newest that restores is used
@@ -92,7 +92,7 @@ def _batch(config: Config, tokenizer_dir: Path | None, size: int, seed: int, ran
     """A classification batch (tokens, valid_tokens, labels): the config's validation data, or random
     tokens with ragged lengths."""
     if not random:
-        from train import data
+        from train.data import labelled as data
 
         dataset = data.load_dataset(config.data, tokenizer_dir=tokenizer_dir)
         b = data.train_batch(dataset.validation, seed=seed, step=0, batch_size=size, buckets=config.data.buckets)

@@ -21,9 +21,8 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from train import data
-from train.batches import InMemoryBatches
-from train.checkpoint import (
+from train.checkpoints.repair import committed_steps, describe_damage, quiet_stderr, restore_newest_good
+from train.checkpoints.store import (
     CHECKPOINT_DIR,
     TOKENIZER_DIR,
     CheckpointError,
@@ -33,13 +32,14 @@ from train.checkpoint import (
     inference_state,
     read_run_config,
 )
-from train.checkpoint_repair import committed_steps, describe_damage, quiet_stderr, restore_newest_good
 from train.config import Config, apply_overrides, config_from_dict
-from train.loop import evaluate
-from train.parallel import make_runner
-from train.state import init_params
+from train.data import labelled as data
+from train.data.batches import InMemoryBatches
+from train.data.tokenizer import Tokenizer
+from train.devices.runners import make_runner
+from train.loop.state import init_params
+from train.loop.trainer import evaluate
 from train.tasks import CLASSIFICATION, Task, task_for
-from train.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True)
@@ -175,8 +175,8 @@ class TrainedRun:
         state = inference_state(self.model, self.params)
         runner = make_runner(config, state, task=self.task)
         if config.task == "mlm":  # masked loss/accuracy on the held-out text
-            from train.batches import StreamBatches
-            from train.pretrain_data import load_corpus
+            from train.data.batches import StreamBatches
+            from train.data.pretrain import load_corpus
 
             corpus = load_corpus(config, tokenizer_dir=self.workdir / TOKENIZER_DIR)
             stream = StreamBatches(corpus, config.model_copy(

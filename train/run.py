@@ -4,7 +4,7 @@
 (ConfigError, DataError, CheckpointError, WorkdirError: exit code 2) before anything is written, so a bad
 command never touches an existing run. It builds the three objects the loop receives: the task (what is
 trained), the batch source (where batches come from) and the runner (where the step runs). `train` then
-writes the run's files (`prepare`) and hands the plan to the loop (train/loop.py).
+writes the run's files (`prepare`) and hands the plan to the loop (train/loop/trainer.py).
 """
 
 from __future__ import annotations
@@ -21,9 +21,8 @@ from typing import Any
 import jax
 import yaml
 
-from train import data, init_from
-from train.batches import BatchSource, InMemoryBatches, StreamBatches
-from train.checkpoint import (
+from train import init_from
+from train.checkpoints.store import (
     CONFIG_FILE,
     TOKENIZER_DIR,
     CheckpointError,
@@ -33,11 +32,13 @@ from train.checkpoint import (
     read_run_config,
 )
 from train.config import Config, ConfigError, apply_overrides, config_from_dict, load_config
+from train.data import labelled as data
+from train.data.batches import BatchSource, InMemoryBatches, StreamBatches
+from train.devices.runners import Runner, initialize_distributed, make_runner
 from train.interrupts import Interrupts
-from train.metrics import atomic_write, run_metadata
-from train.parallel import Runner, initialize_distributed, make_runner
-from train.state import TrainState, abstract_init, create_state, init_params
+from train.loop.state import TrainState, abstract_init, create_state, init_params
 from train.tasks import CLASSIFICATION, Task, task_for
+from train.workdir.records import atomic_write, run_metadata
 
 RUN_FILE = "run.json"
 SUMMARY_FILE = "summary.json"
@@ -56,7 +57,7 @@ class Plan:
 
     config: Config  # resolved: model.vocab_size and model.num_classes come from the data
     workdir: Path
-    dataset: Any  # data.Dataset (classification) or train.pretrain_data.CorpusData (mlm)
+    dataset: Any  # data.Dataset (classification) or train.data.pretrain.CorpusData (mlm)
     start_step: int  # the checkpoint to resume from; 0 for a fresh run
     task: Task
     batches: BatchSource
@@ -138,7 +139,7 @@ def plan_run(config: Config, workdir: Path, task: Task = CLASSIFICATION) -> Plan
               file=sys.stderr, flush=True)
     tokenizer_dir = workdir / TOKENIZER_DIR
     if config.task == "mlm":
-        from train.pretrain_data import load_corpus
+        from train.data.pretrain import load_corpus
 
         if source is not None:
             raise ConfigError("model.init_from starts a fine-tuning run; a task=mlm run pretrains from scratch: "
@@ -248,14 +249,14 @@ def train(config: Config, workdir: Path, *, batches: Callable[[BatchSource], Bat
     """Lock the workdir, plan (validate), then train; returns the summary (with "preempted": True after a
     signal).
 
-    The workdir lock (train.workdir_lock) is held for the whole run by process 0; a workdir holding a run is
+    The workdir lock (train.workdir.lock) is held for the whole run by process 0; a workdir holding a run is
     locked before its run is read, a new one as soon as the plan is valid (so bad input creates nothing).
     `batches` may wrap the planned batch source (e.g. to inject faults in tests). `interrupts` is the CLI's
     signal policy; without one, SIGINT/SIGTERM are handled for the duration of the call. Raises the
-    one-line errors of `plan_run`, WorkdirBusyError, DiskFullError, or train.loop.HaltError.
+    one-line errors of `plan_run`, WorkdirBusyError, DiskFullError, or train.loop.trainer.HaltError.
     """
-    from train.loop import Trainer
-    from train.workdir_lock import WorkdirLock
+    from train.loop.trainer import Trainer
+    from train.workdir.lock import WorkdirLock
 
     workdir = Path(workdir)
     initialize_distributed(config.parallel)

@@ -2,7 +2,7 @@
 
 Same data, same seeds and so the same initial weights for both placements (the parameter trees are
 identical; Pre-LN adds only the final norm). The data is generated here (`count_task`) and batched by
-train/data.py: its own synthetic tasks relate position 0 to the rest of the row and, at these widths,
+train/data/labelled.py: its own synthetic tasks relate position 0 to the rest of the row and, at these widths,
 stay at chance for the few hundred steps a CPU study can afford, which would leave nothing to compare.
 
 (a) At initialization, the gradient norm of each layer's FFN output kernel (ffn/linear2/kernel) by layer,
@@ -36,11 +36,11 @@ from flax.training.train_state import TrainState
 from jaxblock import diagnostics as dg
 from jaxblock.config import EncoderConfig
 from jaxblock.model import Classifier, stack_layer_params
-from train import data
 from train.config import OptimConfig
+from train.data import labelled as data
 from train.diagnose import Parser, UsageError
-from train.state import init_params, make_schedule
-from train.step import gradient_step
+from train.loop.state import init_params, make_schedule
+from train.loop.step import gradient_step
 from train.tasks import CLASSIFICATION
 
 PLACEMENTS = ("pre", "post")

@@ -1,7 +1,7 @@
 """Where labelled examples come from: the vaderSentiment ground-truth sets, local files, synthetic tasks.
 
 Each source returns `Examples`: texts, integer labels and the label names, before any tokenization
-or splitting (train/data.py does both). Every failure is a `DataError`: one line naming the problem
+or splitting (train/data/labelled.py does both). Every failure is a `DataError`: one line naming the problem
 and the fix.
 """
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from train.tokenizer import BpeTokenizer, IdTokenizer, Tokenizer
+from train.data.tokenizer import BpeTokenizer, IdTokenizer, Tokenizer
 
 __all__ = ["MaskingSpec", "mask_batch", "word_start_table"]
 
@@ -67,7 +67,7 @@ class MaskingSpec:
 
     @classmethod
     def for_tokenizer(cls, tokenizer: Tokenizer, *, rate: float = 0.15, whole_word: bool = False) -> MaskingSpec:
-        """The spec for one of train/tokenizer.py's tokenizers.
+        """The spec for one of train/data/tokenizer.py's tokenizers.
 
         A tokenizer with a `mask_id` attribute uses it; otherwise the mask id is appended after the
         vocabulary (mask_id = tokenizer.vocab_size), so the model's embedding needs `model_vocab_size`

@@ -9,7 +9,7 @@ Writes one sentence per line (`text`) or JSON objects {"text": ...} (`jsonl`). M
 sentences are generated in vectorised chunks, and past `fresh_bytes` the writer re-samples generated
 sentences (a corpus that large exercises the reader, not the model).
 
-Command: python -m train.corpus OUT --size 2GB [--format jsonl] [--seed 0]
+Command: python -m train.data.corpus OUT --size 2GB [--format jsonl] [--seed 0]
 """
 
 from __future__ import annotations
@@ -118,7 +118,7 @@ def parse_size(text: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m train.corpus", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m train.data.corpus", description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path, help="file to write (overwritten)")
     parser.add_argument("--size", default="10MB", help="bytes to write, e.g. 200MB, 2GB")
     parser.add_argument("--format", choices=["text", "jsonl"], default="text")

@@ -3,10 +3,10 @@
 `make_runner(config, state, task=..., specs=...)` returns a Runner for `parallel.strategy`:
 - single:  jax.jit(train_step, donate_argnums=0) on one device.
 - pmap:    jax.pmap over every device: replicated state, one batch shard per device, the gradient
-           reduced inside the step (`train.step.loss_and_grads`), a dropout key per device.
+           reduced inside the step (`train.loop.step.loss_and_grads`), a dropout key per device.
 - sharded: jax.jit with NamedSharding over a Mesh with axes (data, fsdp, tensor). Parameters are
            placed by their logical axis names through `parallel.rules` (the logical specs come from the
-           run's one abstract init, train/state.py `abstract_init`); optimizer state follows its
+           run's one abstract init, train/loop/state.py `abstract_init`); optimizer state follows its
            parameters; the batch is split over (data, fsdp). XLA inserts the collectives.
 
 Batches arrive as host numpy dicts holding this process's contiguous share of the global batch
@@ -32,9 +32,9 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from train.config import Config, ConfigError, ParallelConfig
-from train.layout import logical_rules, make_mesh, mesh_shape, param_shardings, state_shardings
-from train.state import TrainState
-from train.step import Metrics, eval_step, train_step
+from train.devices.mesh import logical_rules, make_mesh, mesh_shape, param_shardings, state_shardings
+from train.loop.state import TrainState
+from train.loop.step import Metrics, eval_step, train_step
 from train.tasks import CLASSIFICATION, Task
 
 log = logging.getLogger(__name__)
@@ -96,7 +96,7 @@ class Runner:
 
     def data_share(self) -> tuple[int, int]:
         """(index, count): this process loads share `index` of `count` contiguous shares of a batch
-        (pass them to train.data as process_index, process_count)."""
+        (pass them to train.data.labelled as process_index, process_count)."""
         return 0, 1
 
     def place_state(self, state: TrainState) -> TrainState:
@@ -221,7 +221,7 @@ class ShardedRunner(Runner):
     def __init__(self, config: Config, state: TrainState, task: Task = CLASSIFICATION, specs: Any = None) -> None:
         cfg = config.parallel
         if specs is None:
-            raise ValueError("the sharded runner needs the params' logical specs (train.state.abstract_init)")
+            raise ValueError("the sharded runner needs the params' logical specs (train.loop.state.abstract_init)")
         self.pad_values = task.pad_values
         self.mesh = make_mesh(cfg)
         self.rules = logical_rules(cfg)
@@ -279,7 +279,7 @@ class ShardedRunner(Runner):
 
     def _check_share(self) -> None:
         """Each process must hold batch shard block `process_index` of `process_count`, the share
-        train.data loads for it; a mesh with `tensor` spanning hosts would not."""
+        train.data.labelled loads for it; a mesh with `tensor` spanning hosts would not."""
         held = self._local_slices()
         contiguous = held == list(range(held[0], held[0] + len(held)))
         if not contiguous or self.data_share() != (jax.process_index(), jax.process_count()):
@@ -351,7 +351,7 @@ def _check_batch_size(config: Config, parallel: int, where: str) -> None:
 
 def make_runner(config: Config, state: TrainState, *, task: Task = CLASSIFICATION, specs: Any = None) -> Runner:
     """The Runner for config.parallel, compiling `task`'s steps. `state` (host arrays or jax.eval_shape of
-    one) gives shapes; `specs` are the params' logical PartitionSpecs (train.state.abstract_init), which
+    one) gives shapes; `specs` are the params' logical PartitionSpecs (train.loop.state.abstract_init), which
     `sharded` needs."""
     strategy = config.parallel.strategy
     if jax.process_count() > 1 and (strategy == "single" or jax.device_count() == 1):

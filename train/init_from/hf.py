@@ -19,8 +19,8 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from jaxblock.config import EncoderConfig
 from train.config import ConfigError
+from train.data.tokenizer import PretrainedTokenizer
 from train.init_from import HF_PREFIX, Source
-from train.tokenizer import PretrainedTokenizer
 
 _PAD_TOKENS = ("[PAD]", "<pad>", "<|pad|>")
 

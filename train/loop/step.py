@@ -1,7 +1,7 @@
-"""The pure train and eval steps: (state, batch, rng) -> (state, metrics), for any task (train/tasks.py).
+"""The pure train and eval steps: (state, batch, rng) -> (state, metrics), for any task (train/tasks/__init__.py).
 
 `gradient_step` is the one place a gradient is taken and applied; the trainer's step, the Pre-LN/Post-LN
-study and the benchmarks all go through it. Steps are compiled in one place (train/parallel.py). With
+study and the benchmarks all go through it. Steps are compiled in one place (train/devices/runners.py). With
 `axis_name` (pmap) gradients and sums are reduced over that axis; those `psum`s are the only collectives
 in the code base (under sharded jit XLA inserts its own).
 """
@@ -56,7 +56,7 @@ def loss_fn_for(task: Task, state: train_state.TrainState, batch: Batch, rng: ja
 def train_step(
     task: Task, state: Any, batch: Batch, rng: jax.Array, axis_name: str | None = None
 ) -> tuple[Any, Metrics]:
-    """One optimizer update of a train/state.py TrainState. rng is this step's dropout key (fold the
+    """One optimizer update of a train/loop/state.py TrainState. rng is this step's dropout key (fold the
     step into a run key). Metrics: the task's (loss first), grad_norm, lr, non-finite counters, tokens."""
     task.check_batch(batch)
     new_state, loss, sums, grads = gradient_step(state, loss_fn_for(task, state, batch, rng, axis_name), axis_name)
@@ -78,7 +78,7 @@ def train_step(
 
 def eval_step(task: Task, state: Any, batch: Batch, axis_name: str | None = None) -> Metrics:
     """Inference mode: train=False (no dropout) and no gradients. Returns the task's sums, which an
-    evaluation adds over batches (train/loop.py `evaluate`)."""
+    evaluation adds over batches (train/loop/trainer.py `evaluate`)."""
     task.check_batch(batch)
     sums = task.sums(task.apply(state.apply_fn, state.params, batch, train=False, rng=None), batch)
     if axis_name is not None:

@@ -30,9 +30,9 @@ import yaml
 from orbax.checkpoint import checkpoint_managers
 
 from train.config import CheckpointConfig, Config, ConfigError, config_from_dict
-from train.state import TrainState, init_params
+from train.data.tokenizer import Tokenizer, load_tokenizer
+from train.loop.state import TrainState, init_params
 from train.tasks import task_for
-from train.tokenizer import Tokenizer, load_tokenizer
 
 CHECKPOINT_DIR = "checkpoints"
 CONFIG_FILE = "config.yaml"
@@ -56,7 +56,7 @@ class CheckpointError(ValueError):
 
 class DamagedCheckpointError(CheckpointError):
     """A checkpoint whose files cannot be read (truncated, missing): one line naming the step and file
-    (train/checkpoint_repair.py finds, moves aside and falls back from such checkpoints)."""
+    (train/checkpoints/repair.py finds, moves aside and falls back from such checkpoints)."""
 
 
 def _handlers() -> dict[str, ocp.CheckpointHandler]:

@@ -86,7 +86,7 @@ def init_variables(model: nn.Module, seed: int, batch_len: int) -> Any:
     """The model's params with their logical axis metadata (boxed), from a dummy [1, L] batch.
 
     Under jax.eval_shape this is the one abstract init a run needs: `nn.get_partition_spec` of it gives
-    the logical PartitionSpecs (train/parallel.py) and `nn.unbox` of it the parameter shapes.
+    the logical PartitionSpecs (train/devices/runners.py) and `nn.unbox` of it the parameter shapes.
     """
     tokens = jnp.zeros((1, batch_len), jnp.int32)
     valid = jnp.ones((1, batch_len), jnp.bool_)

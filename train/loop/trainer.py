@@ -16,7 +16,7 @@ hosts, placement and every gather). It knows nothing about the objective, the da
   curves.png and summary.json for what was done and returns (exit code 0); a second stops at once, never
   inside a checkpoint commit, so the last complete checkpoint stays intact;
 - a resumed run restores the newest checkpoint that reads back (a damaged newer one is moved aside and named
-  in one line, train.checkpoint_repair); a save that fails for lack of space is a one-line DiskFullError.
+  in one line, train.checkpoints.repair); a save that fails for lack of space is a one-line DiskFullError.
 """
 
 from __future__ import annotations
@@ -34,17 +34,17 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxblock.diagnostics import first_nonfinite, grad_norms_by_depth, residual_ratios
-from train.batches import BatchSource
-from train.checkpoint import Checkpoints, check_compatible
-from train.checkpoint_repair import restore_newest_good, save_failed_for_space
+from train.checkpoints.repair import restore_newest_good, save_failed_for_space
+from train.checkpoints.store import Checkpoints, check_compatible
 from train.config import Config
+from train.data.batches import BatchSource
+from train.devices.runners import Runner, is_primary
 from train.interrupts import Interrupts
-from train.library_noise import LIBRARY_LOG, library_errors_to, stderr_to
-from train.metrics import MetricsLog, Progress, atomic_write, plot_curves, read_jsonl
-from train.parallel import Runner, is_primary
+from train.loop.state import TrainState
 from train.run import SUMMARY_FILE, Plan, prepare
-from train.state import TrainState
 from train.tasks import CLASSIFICATION, Task
+from train.workdir.log_routing import LIBRARY_LOG, library_errors_to, stderr_to
+from train.workdir.records import MetricsLog, Progress, atomic_write, plot_curves, read_jsonl
 
 # Step metrics that are bookkeeping, not averaged into a log window.
 _COUNTERS = ("lr", "finite", "nonfinite_consecutive", "nonfinite_total", "tokens")

@@ -22,7 +22,7 @@ in an Orbax checkpoint (Grain's handler: one JSON file per process).
 
 Batch (dict of NumPy arrays): tokens int32[N, L], valid_tokens bool[N, L] (True = real token, real tokens
 first in each row), segment_ids int32[N, L] (0.. per example in row order, -1 on padding); with
-masking also mlm_targets int32[N, L] and mlm_weights float32[N, L] (`train.masking.mask_batch`).
+masking also mlm_targets int32[N, L] and mlm_weights float32[N, L] (`train.data.masking.mask_batch`).
 """
 
 from __future__ import annotations
@@ -47,9 +47,9 @@ from grain.experimental import (
     ZipIterDataset,
 )
 
-from train.masking import MaskingSpec, mask_batch
-from train.sources import DataError
-from train.tokenizer import Tokenizer
+from train.data.datasets import DataError
+from train.data.masking import MaskingSpec, mask_batch
+from train.data.tokenizer import Tokenizer
 
 __all__ = ["BatchStream", "CorpusBlocks", "StreamConfig", "corpus_files", "shard_range"]
 
@@ -282,7 +282,7 @@ class _Finish:
 class BatchStream(Iterator[Batch]):
     """This process's batches, step after step, forever (the corpus repeats, reshuffled each epoch).
 
-    tokenizer: any train/tokenizer.py tokenizer (encodes on the fly, in the stream's worker when
+    tokenizer: any train/data/tokenizer.py tokenizer (encodes on the fly, in the stream's worker when
     `prefetch` is "process"). masking: corrupt each batch for MLM, keyed by (seed, step, global row).
     prefetch: None (in the calling thread), "thread" or "process" (one background worker process that
     runs the whole pipeline and overlaps it with the training step).

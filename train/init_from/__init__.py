@@ -12,7 +12,7 @@ pretrained part is exactly `Encoder`'s tree. What comes from the checkpoint:
   pooling and head, dtypes, kernel, scan/remat, max_len within the checkpoint's positions) may be
   set; unset, they too come from the checkpoint (a BERT brings its dropout and its [CLS] pooler, a
   Llama-family model its last-token pooling);
-- the tokenizer: the run's `tokenizer/`, or the checkpoint's `tokenizer.json` (train.tokenizer
+- the tokenizer: the run's `tokenizer/`, or the checkpoint's `tokenizer.json` (train.data.tokenizer
   .PretrainedTokenizer), saved into the new run's `tokenizer/` so evaluate and predict use it;
 - the encoder's weights, grafted into the fresh state (`graft`) only when a run starts: a resumed run
   restores its own checkpoint and never reads the source again (its shape then comes from its own
@@ -37,10 +37,10 @@ from pydantic import ValidationError
 
 from jaxblock.config import EncoderConfig, format_validation_error
 from jaxblock.model import stack_layer_params, unstack_layer_params
-from train.checkpoint import CHECKPOINT_DIR, CONFIG_FILE, TOKENIZER_DIR, _reader, read_run_config
+from train.checkpoints.store import CHECKPOINT_DIR, CONFIG_FILE, TOKENIZER_DIR, _reader, read_run_config
 from train.config import Config, ConfigError, config_from_dict, parse_override
-from train.sources import DataError
-from train.tokenizer import Tokenizer, load_tokenizer
+from train.data.datasets import DataError
+from train.data.tokenizer import Tokenizer, load_tokenizer
 
 HF_PREFIX = "hf:"
 INIT_DIR = "init"  # <workdir>/init/: the source's config and license, copied when the run starts
@@ -241,7 +241,7 @@ def _restore_params(path: Path, step: int | None, spec: str) -> tuple[int, Any]:
 
 
 def _hf_source(spec: str) -> Source:
-    from train.init_hf import hf_source
+    from train.init_from.hf import hf_source
 
     return hf_source(spec)
 

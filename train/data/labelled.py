@@ -8,7 +8,7 @@ ignores); packed rows add segment_ids int32[N, L] and labels become int32[N, S].
 The order of training examples is a pure function of (seed, step): epoch e visits the split in the
 permutation drawn from (seed, e), and step t takes global positions [t*B, (t+1)*B) of that endless
 stream. A resumed run therefore sees exactly the batches it would have seen, with no iterator state to
-checkpoint (train/batches.py wraps these functions as the loop's batch source), and each of P
+checkpoint (train/data/batches.py wraps these functions as the loop's batch source), and each of P
 processes takes its contiguous share of the same global batch.
 """
 
@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from train.config import DataConfig
-from train.sources import (
+from train.data.datasets import (
     VADER_FILES,
     DataError,
     Examples,
@@ -31,7 +31,7 @@ from train.sources import (
     load_vader,
     synthetic_examples,
 )
-from train.tokenizer import (
+from train.data.tokenizer import (
     BpeTokenizer,
     ByteTokenizer,
     IdTokenizer,

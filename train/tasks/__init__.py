@@ -2,7 +2,7 @@
 
 A task owns the batch keys beyond the inputs, the model (encoder plus its head), the forward pass on a
 batch, the loss and the metrics, how an evaluation is reduced and what a prediction returns. The step
-(train/step.py), the loop (train/loop.py), the runner (train/parallel.py) and the inference API
+(train/loop/step.py), the loop (train/loop/trainer.py), the runner (train/devices/runners.py) and the inference API
 (train/inference.py) call only these methods, so a new objective plugs in as one more class.
 
 Every batch carries the inputs tokens int32[N, L] and valid_tokens bool[N, L] (True = a real token, real
@@ -136,7 +136,7 @@ CLASSIFICATION = ClassificationTask()
 
 
 class MaskedLMTask:
-    """Masked-language modelling: predict the original id of each chosen token (train/masking.py corrupts
+    """Masked-language modelling: predict the original id of each chosen token (train/data/masking.py corrupts
     the batch on the host). Batch keys beyond the inputs: mlm_targets int32[N, L] (original ids) and
     mlm_weights float32[N, L] (1.0 on chosen real tokens, else 0). The model predicts only at P chosen
     positions per row (`jaxblock.mlm.select_positions`); loss and accuracy count chosen tokens only, so

@@ -18,7 +18,7 @@ from typing import Protocol, runtime_checkable
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, normalizers, pre_tokenizers, trainers
 
-from train.sources import DataError
+from train.data.datasets import DataError
 
 CONFIG_FILE = "tokenizer_config.json"
 BPE_FILE = "tokenizer.json"

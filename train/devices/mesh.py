@@ -1,4 +1,4 @@
-"""The device mesh and where each parameter lives on it (used by train/parallel.py's sharded runner).
+"""The device mesh and where each parameter lives on it (used by train/devices/runners.py's sharded runner).
 
 Mesh axes (data, fsdp, tensor); parameters carry logical axis names (e.g. 'embed', 'mlp', 'heads') from
 their Flax init, mapped to mesh axes by `parallel.rules`; optimizer state follows its parameters.
@@ -15,7 +15,7 @@ import optax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from train.config import MESH_AXES, ConfigError, ParallelConfig
-from train.state import TrainState
+from train.loop.state import TrainState
 
 
 def mesh_shape(cfg: ParallelConfig, device_count: int) -> tuple[int, int, int]:

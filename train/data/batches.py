@@ -1,4 +1,4 @@
-"""Batch sources: where the loop takes its batches from, injected into it (train/loop.py).
+"""Batch sources: where the loop takes its batches from, injected into it (train/loop/trainer.py).
 
 A source gives this process's share of each training step's global batch, the batches of a whole
 evaluation split, and the state a resumed run needs to continue reading exactly where it stopped. That
@@ -6,7 +6,7 @@ state travels in every checkpoint (`state()` is saved, `restore()` receives it o
 source has none, because its batches are a pure function of (seed, step).
 
 Batch dicts hold host numpy arrays: tokens int32[N, L], valid_tokens bool[N, L] (True = real token, real
-tokens first) and the task's targets (train/tasks.py); N is this process's rows.
+tokens first) and the task's targets (train/tasks/__init__.py); N is this process's rows.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from train import data
 from train.config import Config
+from train.data import labelled as data
 
 Batch = dict[str, np.ndarray]
 
@@ -86,7 +86,7 @@ class InMemoryBatches:
 
 
 class StreamBatches:
-    """Batches streamed from a corpus too large for memory (train/stream.py, Grain), masked for MLM.
+    """Batches streamed from a corpus too large for memory (train/data/stream.py, Grain), masked for MLM.
 
     Training reads one endless stream in step order: `batch(step)` must be called for steps 0, 1, 2, ...
     (from the restored step on resume). Its reading position (`state()`) is the stream's Grain state and
@@ -98,7 +98,7 @@ class StreamBatches:
     """
 
     def __init__(self, corpus: Any, config: Config, share: tuple[int, int] = (0, 1)):
-        from train.stream import BatchStream, StreamConfig, corpus_files
+        from train.data.stream import BatchStream, StreamConfig, corpus_files
 
         d, self.corpus = config.data, corpus
         self.process_index, self.process_count = share
@@ -153,7 +153,7 @@ class StreamBatches:
         """Masked-token accuracy on the validation batches of always predicting the most frequent token
         of the training text's first `data.eval_batches` batches (this process's share)."""
         counts = np.zeros(self.corpus.tokenizer.vocab_size + 1, np.int64)
-        from train.stream import BatchStream
+        from train.data.stream import BatchStream
 
         train = BatchStream(self.stream.config, self.corpus.tokenizer,
                             process_index=self.process_index, process_count=self.process_count, masking=None)
@@ -178,7 +178,7 @@ class StreamBatches:
         return {"processes": _allgather_json(self.stream.get_state())}
 
     def restore(self, state: dict[str, Any] | None) -> None:
-        from train.sources import DataError
+        from train.data.datasets import DataError
 
         saved = (state or {}).get("processes")
         if not saved:

@@ -36,8 +36,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from train.checkpoint import DamagedCheckpointError
-from train.metrics import DiskFullError
+from train.checkpoints.store import DamagedCheckpointError
+from train.workdir.records import DiskFullError
 
 DAMAGED_SUFFIX = ".damaged"
 DAMAGE_NOTE = "DAMAGE.txt"
