@@ -123,8 +123,12 @@ class SelfAttention(nn.Module):
         attn_mask: jax.Array | None = None,
         segment_ids: jax.Array | None = None,
         positions: jax.Array | None = None,
+        window: jax.Array | None = None,
+        rope_base: jax.Array | None = None,
         train: bool = False,
     ) -> jax.Array:
+        """window: int scalar, keys at most this far on either side (-1: all); rope_base: float scalar
+        replacing config.rope_base (both per layer, from StackConfig's layer_windows / layer_rope_bases)."""
         cfg = self.config
         chex.assert_rank(x, 3)
         chex.assert_axis_dimension(x, 2, cfg.model_dim)
@@ -141,25 +145,25 @@ class SelfAttention(nn.Module):
             if positions is None:
                 positions = jnp.broadcast_to(jnp.arange(length), (n, length))
             inv = None if cfg.rope_scaling is None else rope_frequencies(cfg.head_dim, cfg.rope_base, cfg.rope_scaling)
-            q = apply_rope(q, positions, cfg.rope_base, inv)
-            k = apply_rope(k, positions, cfg.rope_base, inv)
+            base: Any = cfg.rope_base if rope_base is None else rope_base
+            q = apply_rope(q, positions, base, inv)
+            k = apply_rope(k, positions, base, inv)
 
-        impl, _ = choose_implementation(
-            cfg, train=train, extra_mask=attn_mask is not None or segment_ids is not None, length=length
-        )
+        extra = attn_mask is not None or segment_ids is not None or window is not None
+        impl, _ = choose_implementation(cfg, train=train, extra_mask=extra, length=length)
         if impl == "chunked":
             ctx = chunked_attention(
                 q, k, v, valid_tokens, causal=cfg.causal, attn_mask=attn_mask,
-                segment_ids=segment_ids, chunk_size=cfg.attn_chunk_size,
+                segment_ids=segment_ids, chunk_size=cfg.attn_chunk_size, window=window,
             )
         else:
             mask = masks.attention_mask(
-                valid_tokens, causal=cfg.causal, attn_mask=attn_mask, segment_ids=segment_ids
+                valid_tokens, causal=cfg.causal, attn_mask=attn_mask, segment_ids=segment_ids, window=window
             )  # [N, 1, L, L]
             if impl == "unfused":
                 ctx = self._unfused(q, k, v, mask, train)
             else:
-                ctx = self._fused(q, k, v, mask, valid_tokens, impl, plain=attn_mask is None and segment_ids is None)
+                ctx = self._fused(q, k, v, mask, valid_tokens, impl, plain=not extra)
         # ctx: [N, L, H, K]
         out_k, out_b = self.out()
         y = jnp.einsum("NLHK,HKD->NLD", ctx.astype(dt), out_k.astype(dt))
@@ -234,6 +238,7 @@ def chunked_attention(
     attn_mask: jax.Array | None,
     segment_ids: jax.Array | None,
     chunk_size: int,
+    window: jax.Array | None = None,
 ) -> jax.Array:
     """Memory-efficient attention: online softmax over key blocks of `chunk_size` (J).
 
@@ -254,7 +259,8 @@ def chunked_attention(
         am = attn_mask if attn_mask.ndim == 3 else attn_mask[None]
         amp = jnp.pad(am, ((0, 0), (0, 0), (0, pad)))  # [1 or N, L, Lp]
     keys = _KeyMasks(
-        jnp.pad(valid_tokens, ((0, 0), (0, pad))), seg, jnp.pad(seg, ((0, 0), (0, pad)), constant_values=-1), amp
+        jnp.pad(valid_tokens, ((0, 0), (0, pad))), seg, jnp.pad(seg, ((0, 0), (0, pad)), constant_values=-1), amp,
+        None if window is None else jnp.asarray(window, jnp.int32),
     )
     out = _flash(q.reshape(n, length, g, h // g, kdim), kp, vp, keys, causal, c)  # [N, G, R, L, K]
     return out.transpose(0, 3, 1, 2, 4).reshape(n, length, h, kdim)
@@ -267,6 +273,7 @@ class _KeyMasks(NamedTuple):
     seg: jax.Array  # int[N, L]: the queries' segments
     seg_keys: jax.Array  # int[N, Lp]: the keys' segments (-1 on the block padding)
     attn_mask: jax.Array | None  # bool[1 or N, L, Lp]
+    window: jax.Array | None = None  # int scalar: keys at most this far from the query (-1: all)
 
 
 def _block_mask(m: _KeyMasks, start: jax.Array, c: int, causal: bool) -> jax.Array:
@@ -278,6 +285,8 @@ def _block_mask(m: _KeyMasks, start: jax.Array, c: int, causal: bool) -> jax.Arr
         ok = ok & jax.lax.dynamic_slice_in_dim(m.attn_mask, start, c, axis=2)  # [1 or N, L, J]
     if causal:
         ok = ok & (jnp.arange(length)[:, None] >= (start + jnp.arange(c))[None, :])[None]
+    if m.window is not None:
+        ok = ok & masks.window_mask(jnp.arange(length), start + jnp.arange(c), m.window)[None]
     return ok[:, None, None]  # [N, L, J] -> [N, 1, 1, L, J]
 
 

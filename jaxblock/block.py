@@ -53,9 +53,12 @@ class EncoderBlock(nn.Module):
         attn_mask: jax.Array | None = None,
         segment_ids: jax.Array | None = None,
         positions: jax.Array | None = None,
+        per_layer: dict[str, jax.Array] | None = None,
         train: bool = False,
     ) -> jax.Array:
+        """per_layer: this layer's row of StackConfig.per_layer (window, rope_base, attn_norm scalars)."""
         cfg = self.config
+        layer = per_layer or {}
         chex.assert_rank(x, 3)
         chex.assert_axis_dimension(x, 2, cfg.model_dim)
         masks.check_valid_tokens(valid_tokens, x.shape[:2])
@@ -69,7 +72,7 @@ class EncoderBlock(nn.Module):
                 return self._record("attn_branch", jnp.zeros_like(h))
             a = self.self_attn(
                 h, valid_tokens, attn_mask=attn_mask, segment_ids=segment_ids,
-                positions=positions, train=train,
+                positions=positions, window=layer.get("window"), rope_base=layer.get("rope_base"), train=train,
             )
             return self._record("attn_branch", self.attn_residual_dropout(a, deterministic=not train))
 
@@ -80,7 +83,10 @@ class EncoderBlock(nn.Module):
             return self._record("ffn_branch", self.ffn_residual_dropout(f, deterministic=not train))
 
         if cfg.norm == "pre":
-            u = self._record("after_attn", x + attn(self._record("norm1", self.attn_norm(x))))
+            h = self.attn_norm(x)
+            if "attn_norm" in layer:  # a layer without the norm before attention reads x itself
+                h = jnp.where(layer["attn_norm"], h, x.astype(h.dtype))
+            u = self._record("after_attn", x + attn(self._record("norm1", h)))
             y = self._record("after_ffn", u + ffn(self._record("norm2", self.ffn_norm(u))))
         else:
             u = self._record("norm1", self.attn_norm(self._record("after_attn", x + attn(x))))

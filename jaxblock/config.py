@@ -154,10 +154,56 @@ class StackConfig(_Frozen):
         "none", description="Rematerialize each block: 'full' saves nothing, 'dots' saves matmul outputs."
     )
     block: BlockConfig = Field(default_factory=lambda: BlockConfig())
+    # Per-layer settings: one entry per block (length B), passed to the blocks as scanned inputs, so layers
+    # that differ in them still share one block definition (scan_layers, remat and every kernel keep working).
+    layer_windows: tuple[int | None, ...] | None = Field(
+        None, description="Per-layer sliding attention window: in layer i a query sees only keys at most "
+        "layer_windows[i] positions away on either side (None entry: every key). None: no window anywhere.",
+    )
+    layer_rope_bases: tuple[float, ...] | None = Field(
+        None, description="Per-layer RoPE base (needs rotary positions, unscaled); None: block.rope_base everywhere.",
+    )
+    layer_attn_norm: tuple[bool, ...] | None = Field(
+        None, description="Per-layer: False skips the norm before attention (Pre-LN only; ModernBERT's first "
+        "layer reads the embedding norm's output directly). None: every layer has it.",
+    )
+
+    @model_validator(mode="after")
+    def _check_per_layer(self) -> StackConfig:
+        for name in ("layer_windows", "layer_rope_bases", "layer_attn_norm"):
+            value = getattr(self, name)
+            if value is not None and len(value) != self.num_layers:
+                raise ValueError(
+                    f"{name} has {len(value)} entries for num_layers={self.num_layers}: give one per layer"
+                )
+        if any(w is not None and w < 0 for w in self.layer_windows or ()):
+            raise ValueError(f"layer_windows={self.layer_windows}: a window is a distance >= 0 (None: no window)")
+        if self.layer_rope_bases is not None:
+            if not self.block.rope:
+                raise ValueError("layer_rope_bases needs rotary positions: set positions='rope' or remove it")
+            if self.block.rope_scaling is not None:
+                raise ValueError("layer_rope_bases with block.rope_scaling is not supported: remove one of them")
+            if any(b <= 1.0 for b in self.layer_rope_bases):
+                raise ValueError(f"layer_rope_bases={self.layer_rope_bases}: every base must exceed 1")
+        if self.layer_attn_norm is not None and self.block.norm != "pre" and not all(self.layer_attn_norm):
+            raise ValueError("layer_attn_norm can skip a norm only with block.norm='pre': remove it")
+        return self
 
     @property
     def has_final_norm(self) -> bool:
         return self.block.norm == "pre" if self.final_norm is None else self.final_norm
+
+    @property
+    def per_layer(self) -> dict[str, tuple[Any, ...]]:
+        """The per-layer settings in force, each a length-B tuple: window (-1 = none), rope_base, attn_norm."""
+        out: dict[str, tuple[Any, ...]] = {}
+        if self.layer_windows is not None and any(w is not None for w in self.layer_windows):
+            out["window"] = tuple(-1 if w is None else w for w in self.layer_windows)
+        if self.layer_rope_bases is not None:
+            out["rope_base"] = self.layer_rope_bases
+        if self.layer_attn_norm is not None and not all(self.layer_attn_norm):
+            out["attn_norm"] = self.layer_attn_norm
+        return out
 
 
 class EncoderConfig(StackConfig):
@@ -190,8 +236,21 @@ class EncoderConfig(StackConfig):
         "D -> D pooler dense and pooler_activation (BERT's pooler); 'last' the last real token, head without "
         "bias (Llama-family sequence classification).",
     )
-    pooler_activation: Literal["tanh", "relu"] = Field(
-        "tanh", description="Activation of the 'cls' pooler (tanh: BERT/RoBERTa; relu: DistilBERT)."
+    pooler_activation: Literal["tanh", "relu", "gelu"] = Field(
+        "tanh", description="Activation of the pooler (tanh: BERT/RoBERTa; relu: DistilBERT; gelu: ELECTRA, "
+        "ModernBERT).",
+    )
+    pooler: Literal["auto", "dense", "none"] = Field(
+        "auto", description="The D -> D pooler dense before the head: 'auto' with pooling='cls' only; 'dense' "
+        "with any pooling (ModernBERT's mean pooling); 'none' never.",
+    )
+    pooler_bias: bool = Field(True, description="Bias on the pooler dense (ModernBERT's classifier_bias).")
+    pooler_norm: bool = Field(
+        False, description="A norm (block.norm_type, block.norm_eps) after the pooler's activation (ModernBERT)."
+    )
+    embed_dim: int | None = Field(
+        None, gt=0, description="E: width of the embedding tables and embedding norm when it differs from D; "
+        "a trained E -> D projection `embed_proj` follows (ELECTRA). None: E = D.",
     )
 
     @model_validator(mode="before")
@@ -212,11 +271,21 @@ class EncoderConfig(StackConfig):
             raise ValueError(
                 f"block.rope=True but positions='{self.positions}': set positions='rope' instead"
             )
+        if self.pooler == "dense" and self.pooling == "last":
+            raise ValueError("pooler='dense' with pooling='last' is not supported: use pooling 'cls' or 'mean'")
         if self.position_offset and self.positions != "learned":
             raise ValueError(
                 f"position_offset={self.position_offset} needs positions='learned': set it to 0"
             )
         return self
+
+    @property
+    def has_pooler(self) -> bool:
+        return self.pooler == "dense" or (self.pooler == "auto" and self.pooling == "cls")
+
+    @property
+    def embed_width(self) -> int:
+        return self.embed_dim or self.block.model_dim
 
 
 def format_validation_error(err: Exception) -> str:

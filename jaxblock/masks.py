@@ -40,8 +40,11 @@ def attention_mask(
     causal: bool = False,
     attn_mask: jax.Array | None = None,
     segment_ids: jax.Array | None = None,
+    window: jax.Array | None = None,
 ) -> jax.Array:
-    """Combine every mask into bool[N, 1, L, L] (query rows, key columns), True = may attend."""
+    """Combine every mask into bool[N, 1, L, L] (query rows, key columns), True = may attend.
+
+    window: int scalar (may be traced): a query sees keys at most `window` positions away (-1: no limit)."""
     n, length = valid_tokens.shape
     mask = jnp.broadcast_to(valid_tokens[:, None, None, :], (n, 1, length, length))
     if causal:
@@ -61,7 +64,18 @@ def attention_mask(
     if segment_ids is not None:
         chex.assert_shape(segment_ids, (n, length))
         mask = mask & (segment_ids[:, None, :, None] == segment_ids[:, None, None, :])
+    if window is not None:
+        idx = jnp.arange(length)
+        mask = mask & window_mask(idx, idx, window)[None, None]
     return mask
+
+
+def window_mask(queries: jax.Array, keys: jax.Array, window: jax.Array) -> jax.Array:
+    """bool[Q, M]: |query index - key index| <= window, or everything when window < 0 (a global layer).
+
+    Indices, not positions: in packed rows a segment's tokens are contiguous, so the distance is the same."""
+    near = jnp.abs(queries[:, None] - keys[None, :]) <= window
+    return near | (jnp.asarray(window) < 0)
 
 
 def lengths_to_valid_tokens(lengths: Any, length: int) -> jax.Array:

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from jaxblock import masks
 from jaxblock.block import EncoderBlock
 from jaxblock.config import EncoderConfig, StackConfig
+from jaxblock.ffn import gelu_exact
 from jaxblock.initializers import param
 from jaxblock.norms import make_norm
 from jaxblock.positions import sinusoidal_table
@@ -39,12 +40,13 @@ class _Layer(EncoderBlock):
     scanned: bool = False
 
     def __call__(  # type: ignore[override]
-        self, x: jax.Array, valid_tokens: jax.Array, attn_mask: Any, segment_ids: Any, positions: Any
+        self, x: jax.Array, valid_tokens: jax.Array, attn_mask: Any, segment_ids: Any, positions: Any,
+        per_layer: Any,
     ) -> Any:
         with settled_residuals(self, valid_tokens):  # a CPU speed workaround: jaxblock/settle.py
             y = super().__call__(
                 x, valid_tokens, attn_mask=attn_mask, segment_ids=segment_ids, positions=positions,
-                train=self.train,
+                per_layer=per_layer, train=self.train,
             )
         return (y, None) if self.scanned else y
 
@@ -72,19 +74,22 @@ class EncoderStack(nn.Module):
         if cfg.remat != "none":
             layer = nn.remat(layer, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=not cfg.scan_layers)
         args = (valid_tokens, attn_mask, segment_ids, positions)
+        # Per-layer settings: arrays with a leading [B] axis, scanned over (unrolled: layer i gets row i).
+        per_layer = {k: jnp.asarray(v) for k, v in cfg.per_layer.items()} or None
         if cfg.scan_layers:
             scanned = nn.scan(
                 layer,
                 variable_axes={"params": 0, "intermediates": 0},
                 split_rngs={"params": True, "dropout": True},
-                in_axes=(nn.broadcast,) * 4,
+                in_axes=(nn.broadcast,) * 4 + (0 if per_layer else nn.broadcast,),
                 length=cfg.num_layers,
                 metadata_params={nn.PARTITION_NAME: "layers"},
             )
-            x, _ = scanned(cfg.block, train=train, scanned=True, name="layers")(x, *args)
+            x, _ = scanned(cfg.block, train=train, scanned=True, name="layers")(x, *args, per_layer)
         else:
             for i in range(cfg.num_layers):
-                x = layer(cfg.block, train=train, name=f"layers_{i}")(x, *args)
+                row = None if per_layer is None else {k: v[i] for k, v in per_layer.items()}
+                x = layer(cfg.block, train=train, name=f"layers_{i}")(x, *args, row)
         if cfg.has_final_norm:
             x = make_norm(cfg.block, "final_norm")(x)
         return x
@@ -118,10 +123,11 @@ class Encoder(nn.Module):
             raise ValueError(
                 f"sequence length {length} exceeds max_len={cfg.max_len}: truncate inputs or raise model.max_len"
             )
+        width = cfg.embed_width  # E: D unless the embeddings are narrower (then projected to D)
         embed = param(
             self, "embedding",
             nn.with_logical_partitioning(nn.initializers.normal(1.0), ("vocab", "embed")),
-            (cfg.vocab_size, blk.model_dim), blk.params_dtype,
+            (cfg.vocab_size, width), blk.params_dtype,
         )
         # A padded id outside [0, V) looks up id 0 (not NaN), so the lookup and its gradient stay finite.
         in_range = (tokens >= 0) & (tokens < cfg.vocab_size)
@@ -130,7 +136,7 @@ class Encoder(nn.Module):
             types = param(
                 self, "type_embedding",
                 nn.with_logical_partitioning(nn.initializers.normal(0.02), (None, "embed")),
-                (cfg.type_vocab_size, blk.model_dim), blk.params_dtype,
+                (cfg.type_vocab_size, width), blk.params_dtype,
             )  # [type_vocab_size, D]
             type_ids = jnp.zeros_like(tokens) if token_type_ids is None else token_type_ids
             chex.assert_equal_shape([type_ids, tokens])
@@ -140,17 +146,25 @@ class Encoder(nn.Module):
         else:
             positions = jnp.broadcast_to(jnp.arange(length), (n, length))
         if cfg.positions == "sinusoidal":
-            x = x + sinusoidal_table(cfg.max_len, blk.model_dim)[positions]
+            x = x + sinusoidal_table(cfg.max_len, width)[positions]
         elif cfg.positions == "learned":
             table = param(
                 self, "pos_embedding",
                 nn.with_logical_partitioning(nn.initializers.normal(0.02), (None, "embed")),
-                (cfg.max_len + cfg.position_offset, blk.model_dim), blk.params_dtype,
+                (cfg.max_len + cfg.position_offset, width), blk.params_dtype,
             )
             x = x + table.astype(jnp.float32)[positions + cfg.position_offset]
         if cfg.embed_norm:
-            x = make_norm(blk, "embed_norm")(x).astype(jnp.float32)
-        x = nn.Dropout(cfg.embed_dropout)(x, deterministic=not train).astype(blk.compute_dtype)
+            x = make_norm(blk.model_copy(update={"model_dim": width}), "embed_norm")(x).astype(jnp.float32)
+        x = nn.Dropout(cfg.embed_dropout)(x, deterministic=not train)
+        if width != blk.model_dim:  # E -> D (ELECTRA's embeddings_project)
+            x = nn.Dense(
+                blk.model_dim,
+                kernel_init=nn.with_logical_partitioning(nn.initializers.lecun_normal(), (None, "embed")),
+                bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(), ("embed",)),
+                param_dtype=blk.params_dtype, dtype=jnp.float32, name="embed_proj",
+            )(x)
+        x = x.astype(blk.compute_dtype)
         return EncoderStack(cfg, name="stack")(
             x, valid_tokens, attn_mask=attn_mask, segment_ids=segment_ids,
             positions=positions if blk.rope else None, train=train,
@@ -181,11 +195,15 @@ def last_token(x: jax.Array, valid_tokens: jax.Array) -> jax.Array:
     return jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0].astype(jnp.float32)
 
 
+_POOLER_ACTIVATIONS = {"tanh": jnp.tanh, "relu": jax.nn.relu, "gelu": gelu_exact}
+
+
 class Classifier(nn.Module):
     """(tokens, valid_tokens, train=False) -> float32 logits [N, C] via config.pooling.
 
     'mean': masked mean -> head (kernel [D, C], bias [C]). 'cls': token 0 -> pooler (Dense D -> D,
-    tanh or relu) -> dropout (embed_dropout) -> head. 'last': the last real token -> head without bias.
+    tanh, relu or gelu, then pooler_norm if set) -> dropout (embed_dropout) -> head. 'last': the last real
+    token -> head without bias. pooler='dense' puts the pooler after mean pooling too (ModernBERT).
     Packed rows ('mean' only): pass segment_ids (ids 0..S-1 per row) and num_segments=S to get [N, S, C].
     """
 
@@ -211,20 +229,26 @@ class Classifier(nn.Module):
                 raise ValueError(f"packed rows need pooling='mean', got pooling='{cfg.pooling}': unpack the batch")
             pooled = segment_mean(h, valid_tokens, segment_ids, num_segments)  # [N, S, D]
         elif cfg.pooling == "cls":
+            pooled = h[:, 0].astype(jnp.float32)  # [N, D]
+        elif cfg.pooling == "last":
+            pooled = last_token(h, valid_tokens)  # [N, D]
+        else:
+            pooled = masked_mean(h, valid_tokens)  # [N, D]
+        if cfg.has_pooler:
             pooled = nn.Dense(
                 cfg.block.model_dim,
+                use_bias=cfg.pooler_bias,
                 kernel_init=nn.with_logical_partitioning(nn.initializers.lecun_normal(), ("embed", None)),
                 bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(), (None,)),
                 param_dtype=cfg.block.params_dtype,
                 dtype=jnp.float32,
                 name="pooler",
-            )(h[:, 0].astype(jnp.float32))  # [N, D]
-            pooled = jnp.tanh(pooled) if cfg.pooler_activation == "tanh" else jax.nn.relu(pooled)
+            )(pooled)
+            pooled = _POOLER_ACTIVATIONS[cfg.pooler_activation](pooled)
+            if cfg.pooler_norm:
+                f32_block = cfg.block.model_copy(update={"dtype": "float32"})
+                pooled = make_norm(f32_block, "pooler_norm")(pooled)
             pooled = nn.Dropout(cfg.embed_dropout)(pooled, deterministic=not train)
-        elif cfg.pooling == "last":
-            pooled = last_token(h, valid_tokens)  # [N, D]
-        else:
-            pooled = masked_mean(h, valid_tokens)  # [N, D]
         head = nn.Dense(
             cfg.num_classes,
             use_bias=cfg.pooling != "last",

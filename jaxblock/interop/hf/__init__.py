@@ -1,28 +1,37 @@
-"""HuggingFace `transformers` checkpoints <-> jaxblock Encoder / Classifier (optional extra `hf`).
+"""HuggingFace `transformers` checkpoints <-> jaxblock Encoder / Classifier.
 
-    config, variables = from_hf(model_or_dir)     # EncoderConfig, {"params": ...}
+    config, variables = from_hf(model_or_dir)     # EncoderConfig, {"params": ...}; .family names it
     model = to_hf(config, variables)              # the transformers model, identical state dict
     print(compare(model, tokens, valid_tokens))   # per-layer forward and per-parameter gradient parity
     cfg, params, tokenizer_json, license = load_pretrained(dir)   # what a trainer needs
 
-Families: BERT, RoBERTa, DistilBERT (Post-LN, learned positions, embedding LayerNorm, token types)
-and Llama, Mistral, Qwen2 (Pre-RMSNorm, SwiGLU, RoPE, GQA, causal, final norm); their
-*ForSequenceClassification heads onto Classifier (pooling 'cls' or 'last'). Anything not expressible
-exactly raises UnsupportedConfigError with one line naming the field. A directory is read locally
-(config.json + model.safetensors, sharded or not, or pytorch_model.bin): nothing is ever downloaded.
+Families are a registry (jaxblock.interop.hf.family; one module each in families/): BERT, RoBERTa,
+XLM-RoBERTa, CamemBERT, DistilBERT, ELECTRA (Post-LN, learned positions), Llama, Mistral, Qwen2
+(Pre-RMSNorm, SwiGLU, RoPE, GQA, causal) and ModernBERT (Pre-LN, GeGLU, RoPE with per-layer bases,
+sliding-window attention on local layers), with their *ForSequenceClassification heads. The family table
+with measured parity and how to add a family: docs/families.md. Anything not expressible exactly raises
+UnsupportedConfigError with one line naming the field. A directory is read locally (config.json +
+*.safetensors, sharded or not, or pytorch_model.bin): nothing is ever downloaded.
 
-Measured parity (`python -m jaxblock.interop.hf.measure`: random D=64, 2-layer models of each family,
-a right-padded batch of 3 x 12), against transformers in float32, worst over the six families:
-    ours float32:  last hidden state max |diff| 9.5e-7, logits 9e-8, gradients max rel L2 error 7.6e-7
-    ours bfloat16: last hidden state max |diff| 2.5e-2, logits 2.6e-3, gradients max rel L2 error 1.5e-2
-`compare` checks against TOLERANCES: float32 (2e-5, 1e-4), bfloat16 (6e-2, 4e-2).
-
-Importing this package imports transformers and torch; importing `jaxblock` does not.
+Reading a directory (from_hf(dir), load_pretrained) needs neither transformers nor torch; to_hf, compare,
+from_hf(model object) and pytorch_model.bin files do (the `hf` extra). `compare` and `TOLERANCES`
+import torch when first used. Importing `jaxblock` imports none of this.
 """
 
-from jaxblock.interop.hf.common import UnsupportedConfigError
-from jaxblock.interop.hf.convert import from_hf, guess_family, load_pretrained, state_dict, to_hf
-from jaxblock.interop.hf.parity import TOLERANCES, compare
+from typing import Any
 
-__all__ = ["TOLERANCES", "UnsupportedConfigError", "compare", "from_hf", "guess_family", "load_pretrained",
-           "state_dict", "to_hf"]
+from jaxblock.interop.hf.common import UnsupportedConfigError
+from jaxblock.interop.hf.convert import from_hf, guess_family, load_pretrained, read_config, state_dict, to_hf
+from jaxblock.interop.hf.family import Family, HFConfig, families, family, register, unregister
+
+__all__ = ["TOLERANCES", "Family", "HFConfig", "UnsupportedConfigError", "compare", "families", "family",
+           "from_hf", "guess_family", "load_pretrained", "read_config", "register", "state_dict", "to_hf",
+           "unregister"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("compare", "TOLERANCES"):  # they import torch: only on use
+        from jaxblock.interop.hf import parity
+
+        return getattr(parity, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

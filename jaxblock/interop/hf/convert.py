@@ -1,10 +1,14 @@
-"""from_hf / to_hf / load_pretrained: transformers models and local checkpoint directories <-> our params."""
+"""from_hf / to_hf / load_pretrained: transformers models and local checkpoint directories <-> our params.
+
+Reading a directory needs neither PyTorch nor transformers: config.json is read as JSON over the family's
+defaults (jaxblock.interop.hf.family), *.safetensors through safetensors' NumPy loader (bfloat16 and
+sharded files included). Only pytorch_model.bin files and writing (to_hf) need torch and transformers.
+"""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import flax.linen as nn
@@ -14,7 +18,6 @@ import numpy as np
 from pydantic import ValidationError
 
 from jaxblock.config import EncoderConfig, format_validation_error
-from jaxblock.interop.hf import bert, llama
 from jaxblock.interop.hf.common import (
     Mapping,
     UnsupportedConfigError,
@@ -23,30 +26,29 @@ from jaxblock.interop.hf.common import (
     layout_to_ours,
     refuse,
     set_path,
+    take_part,
 )
+from jaxblock.interop.hf.family import Family, HFConfig, family, guess
 from jaxblock.model import Classifier, Encoder
 
-_FAMILIES: dict[str, ModuleType] = {f: bert for f in bert.FAMILIES} | {f: llama for f in llama.FAMILIES}
-_PREFIX = {"bert": "bert", "roberta": "roberta", "distilbert": "distilbert",
-           "llama": "model", "mistral": "model", "qwen2": "model"}
-_CLASS = {"bert": "Bert", "roberta": "Roberta", "distilbert": "DistilBert",
-          "llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}
+
+class Converted(tuple):  # type: ignore[type-arg]
+    """A result tuple (unpacks as before) that also says which family it was read as: `.family`."""
+
+    family: str
+
+    def __new__(cls, items: tuple[Any, ...], family_name: str) -> Converted:
+        out = super().__new__(cls, items)
+        out.family = family_name
+        return out
 
 
-def _family(model_type: str) -> ModuleType:
-    if model_type not in _FAMILIES:
-        raise refuse("model_type", model_type, f"not converted: jaxblock reads {', '.join(_FAMILIES)}")
-    return _FAMILIES[model_type]
-
-
-def _maps(cfg: EncoderConfig, family: str, classifier: bool) -> list[Mapping]:
-    mod = _family(family)
-    rows = mod.encoder_map(cfg, family)
+def _maps(cfg: EncoderConfig, fam: Family, classifier: bool) -> list[Mapping]:
+    rows = fam.encoder_map(cfg)
     if not classifier:
         return rows
-    prefix = _PREFIX[family] + "."
-    enc = [Mapping(prefix + r.hf_name, ("encoder", *r.path), r.kind) for r in rows]
-    return enc + mod.head_map(family)
+    enc = [r._replace(hf_name=f"{fam.prefix}.{r.hf_name}", path=("encoder", *r.path)) for r in rows]
+    return enc + fam.head_map(cfg)
 
 
 def _np(t: Any) -> np.ndarray:
@@ -58,56 +60,85 @@ def _np(t: Any) -> np.ndarray:
 # --- reading ------------------------------------------------------------------------------------
 
 
-def _read_dir(path: Path) -> tuple[Any, dict[str, np.ndarray]]:
-    """(transformers config, state dict as float32 numpy) from a local directory; never downloads."""
-    import transformers
+def _read_safetensors(files: list[Path]) -> dict[str, np.ndarray]:
+    from safetensors import safe_open
 
+    sd: dict[str, np.ndarray] = {}
+    for f in files:
+        with safe_open(str(f), framework="np") as st:  # bfloat16 arrives as ml_dtypes.bfloat16
+            sd |= {k: np.asarray(st.get_tensor(k), np.float32) for k in st.keys()}  # noqa: SIM118
+    return sd
+
+
+def _read_bin(path: Path) -> dict[str, np.ndarray]:
+    try:
+        import torch
+    except ImportError:
+        raise UnsupportedConfigError(f"{path} is a PyTorch pickle and torch is not installed: pip install "
+                                     "'jaxblock[hf]', or save the checkpoint as safetensors") from None
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    return {k: _np(v) for k, v in state.items()}
+
+
+def read_config(path: str | Path) -> tuple[Family, HFConfig]:
+    """(family, config over its defaults) of a local checkpoint directory's config.json; no transformers."""
+    path = Path(path)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path}/config.json not found: pass a directory written by save_pretrained")
-    hf_cfg = transformers.AutoConfig.from_pretrained(str(path), local_files_only=True)
+    try:
+        raw = json.loads((path / "config.json").read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise UnsupportedConfigError(f"{path}/config.json is not JSON ({err.__class__.__name__}): "
+                                     "write it again with save_pretrained") from None
+    if not isinstance(raw, dict) or "model_type" not in raw:
+        raise refuse("model_type", None, f"{path}/config.json names no model_type: add the checkpoint's")
+    fam = family(raw["model_type"])
+    return fam, fam.config(raw)
+
+
+def _read_dir(path: Path) -> tuple[Family, HFConfig, dict[str, np.ndarray]]:
+    """(family, config, state dict as float32 numpy) from a local directory; never downloads."""
+    fam, hf_cfg = read_config(path)
     files = sorted(path.glob("model*.safetensors"))
     index = path / "model.safetensors.index.json"
     if index.is_file():
         files = [path / f for f in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
-    sd: dict[str, np.ndarray] = {}
     if files:
-        from safetensors.torch import load_file
-
-        for f in files:
-            sd |= {k: _np(v) for k, v in load_file(str(f)).items()}
+        sd = _read_safetensors(files)
     elif (path / "pytorch_model.bin").is_file():
-        import torch
-
-        state = torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
-        sd = {k: _np(v) for k, v in state.items()}
+        sd = _read_bin(path / "pytorch_model.bin")
     else:
         raise FileNotFoundError(f"{path} holds no model.safetensors or pytorch_model.bin: save the weights there")
     # Old checkpoints name LayerNorm parameters gamma/beta.
-    return hf_cfg, {k.replace("LayerNorm.gamma", "LayerNorm.weight").replace("LayerNorm.beta", "LayerNorm.bias"): v
-                    for k, v in sd.items()}
+    return fam, hf_cfg, {k.replace("LayerNorm.gamma", "LayerNorm.weight").replace("LayerNorm.beta", "LayerNorm.bias"):
+                         v for k, v in sd.items()}
 
 
-def _is_classifier(hf_cfg: Any, model: Any = None) -> bool:
+def _is_classifier(hf_cfg: HFConfig, model: Any = None) -> bool:
     name = type(model).__name__ if model is not None else ((hf_cfg.architectures or [""])[0])
     return name.endswith("ForSequenceClassification")
 
 
-def _build(cfg: EncoderConfig, sd: dict[str, np.ndarray], family: str, classifier: bool) -> dict[str, Any]:
+def _build(cfg: EncoderConfig, sd: dict[str, np.ndarray], fam: Family, classifier: bool) -> dict[str, Any]:
     """Fill our params tree (shapes from the module itself) from a state dict; every leaf must be mapped."""
     model = Classifier(cfg) if classifier else Encoder(cfg)
     tokens = jnp.zeros((1, 1), jnp.int32)
     shapes = nn.unbox(jax.eval_shape(lambda: model.init(jax.random.key(0), tokens, tokens > 0)))["params"]
-    rows = _maps(cfg, family, classifier)
+    rows = _maps(cfg, fam, classifier)
     # A base model's own keys are bare; a MaskedLM/CausalLM checkpoint nests them under its prefix.
-    prefix = _PREFIX[family] + "." if not classifier and _PREFIX[family] + "." + rows[0].hf_name in sd else ""
+    first = next(r.hf_name for r in rows if r.kind != "ones")
+    prefix = fam.prefix + "." if not classifier and f"{fam.prefix}.{first}" in sd else ""
     params: dict[str, Any] = {}
     dtype = cfg.block.params_dtype
     for row in rows:
+        shape = get_path(shapes, row.path).shape
+        if row.kind == "ones":
+            set_path(params, row.path, jnp.ones(shape, dtype))
+            continue
         name = row.hf_name if classifier else prefix + row.hf_name
         if name not in sd:
             raise UnsupportedConfigError(f"state dict lacks {name}: the weights do not match config.json")
-        shape = get_path(shapes, row.path).shape
-        value = sd[name]
+        value = take_part(sd[name], row.part)
         if row.path[-1] == "pos_embedding":  # max_len may cap the checkpoint's positions: keep the first rows
             value = value[: shape[0]]
         set_path(params, row.path, jnp.asarray(layout_to_ours(value, shape, row.kind), dtype))
@@ -121,48 +152,43 @@ def _build(cfg: EncoderConfig, sd: dict[str, np.ndarray], family: str, classifie
 def from_hf(
     source: Any, *, max_len: int | None = None, dtype: str = "float32", param_dtype: str = "float32",
     attention: str = "auto",
-) -> tuple[EncoderConfig, dict[str, Any]]:
-    """A transformers model object, or a local directory with config.json + model.safetensors
-    (or pytorch_model.bin), -> (EncoderConfig, {"params": ...}).
+) -> Converted:
+    """A transformers model object, or a local directory with config.json + *.safetensors
+    (or pytorch_model.bin), -> (EncoderConfig, {"params": ...}); `.family` on the result names the family.
 
     *ForSequenceClassification models give Classifier variables (params: encoder, [pooler], head) and
     the config's num_classes/pooling; any other architecture gives Encoder variables from its base model
     (a MaskedLM/CausalLM head or a base model's pooler is left out). `max_len` caps the positions
     (default: all the checkpoint has); dtype is our compute dtype. Raises UnsupportedConfigError (one line
-    naming the field) for what cannot be expressed exactly.
+    naming the field) for what cannot be expressed exactly. A directory is read without torch/transformers.
     """
     if isinstance(source, str | Path):
-        hf_cfg, sd = _read_dir(Path(source))
+        fam, hf_cfg, sd = _read_dir(Path(source))
         classifier = _is_classifier(hf_cfg)
     else:
-        hf_cfg, classifier = source.config, _is_classifier(source.config, source)
+        fam = family(source.config.model_type)
+        hf_cfg = fam.config(source.config.to_dict())
+        classifier = _is_classifier(hf_cfg, source)
         sd = {k: _np(v) for k, v in source.state_dict().items()}
-    family = hf_cfg.model_type
-    mod = _family(family)
-    fields = mod.encoder_fields(hf_cfg, family, max_len)
+    fields = fam.encoder_fields(hf_cfg, max_len)
     fields["block"] |= {"dtype": dtype, "param_dtype": param_dtype, "attention": attention}
     if classifier:
-        fields |= mod.head_fields(family) | {"num_classes": max(hf_cfg.num_labels, 2)}
         if hf_cfg.num_labels < 2:
             raise refuse("num_labels", hf_cfg.num_labels, "a regression head (one label) is not a Classifier")
+        fields |= fam.head_fields(hf_cfg) | {"num_classes": hf_cfg.num_labels}
     try:
         cfg = EncoderConfig.model_validate(fields)
     except ValidationError as err:
         raise UnsupportedConfigError(format_validation_error(err)) from None
-    return cfg, {"params": _build(cfg, sd, family, classifier)}
+    return Converted((cfg, {"params": _build(cfg, sd, fam, classifier)}), fam.name)
 
 
 # --- writing ------------------------------------------------------------------------------------
 
 
 def guess_family(cfg: EncoderConfig) -> str:
-    """The transformers family our config reads as (Mistral configs read as Llama: pass family='mistral')."""
-    b = cfg.block
-    if cfg.positions == "rope":
-        return "qwen2" if b.has_qkv_bias and not b.has_out_bias else "llama"
-    if cfg.position_offset:
-        return "roberta"
-    return "bert" if cfg.type_vocab_size else "distilbert"
+    """The family to_hf writes when none is named (Mistral, XLM-R, CamemBERT read as Llama/RoBERTa: name them)."""
+    return guess(cfg).name
 
 
 def _plain(variables: Any) -> dict[str, Any]:
@@ -174,57 +200,65 @@ def state_dict(config: EncoderConfig, variables: Any, *, family: str | None = No
     """Our params (or their gradients: the map is linear) -> transformers state-dict names, float32 numpy.
     Classifier variables (with 'encoder') give *ForSequenceClassification names."""
     p = _plain(variables)
-    family = family or guess_family(config)
-    classifier = "encoder" in p
-    return {r.hf_name: layout_to_hf(np.asarray(get_path(p, r.path), np.float32), r.kind)
-            for r in _maps(config, family, classifier)}
+    fam = _family_of(config, family)
+    parts: dict[str, list[tuple[int, np.ndarray]]] = {}
+    for r in _maps(config, fam, "encoder" in p):
+        if r.kind != "ones":
+            parts.setdefault(r.hf_name, []).append(
+                (r.part[0], layout_to_hf(np.asarray(get_path(p, r.path), np.float32), r.kind)))
+    return {name: np.concatenate([a for _, a in sorted(ps, key=lambda t: t[0])]) if len(ps) > 1 else ps[0][1]
+            for name, ps in parts.items()}
+
+
+def _family_of(config: EncoderConfig, name: str | None) -> Family:
+    return family(name) if name is not None else guess(config)
 
 
 def to_hf(config: EncoderConfig, variables: Any, *, family: str | None = None, **hf_overrides: Any) -> Any:
     """(EncoderConfig, Encoder or Classifier variables) -> the transformers model holding the same weights
-    (BertModel ... Qwen2Model, or *ForSequenceClassification for Classifier variables), in eval mode.
+    (<Family>Model, or <Family>ForSequenceClassification for Classifier variables), in eval mode.
 
-    family: 'bert', 'roberta', 'distilbert', 'llama', 'mistral' or 'qwen2' (default: guess_family).
-    hf_overrides go to the transformers config (e.g. pad_token_id). A field transformers cannot express
-    raises UnsupportedConfigError naming it. A base model is built without a pooler.
+    family: a registered family's name or model_type (default: guess_family). hf_overrides go to the
+    transformers config (e.g. pad_token_id). A field transformers cannot express raises
+    UnsupportedConfigError naming it. A base model is built without a pooler.
     """
     import torch
     import transformers
 
-    family = family or guess_family(config)
-    mod = _family(family)
+    fam = _family_of(config, family)
     p = _plain(variables)
     classifier = "encoder" in p
-    hf_cfg = mod.hf_config(config, family, classifier, hf_overrides)
-    cls = getattr(transformers, _CLASS[family] + ("ForSequenceClassification" if classifier else "Model"))
-    extra = {"add_pooling_layer": False} if family in ("bert", "roberta") and not classifier else {}
+    kwargs = fam.hf_config(config, classifier) | hf_overrides
+    hf_cfg = getattr(transformers, fam.hf_class + "Config")(**kwargs)
+    cls = getattr(transformers, fam.hf_class + ("ForSequenceClassification" if classifier else "Model"))
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-    model = cls(hf_cfg, **extra).to(torch_dtype[config.block.param_dtype])
-    sd = state_dict(config, {"params": p}, family=family)
+    model = cls(hf_cfg, **({} if classifier else dict(fam.base_kwargs))).to(torch_dtype[config.block.param_dtype])
+    sd = state_dict(config, {"params": p}, family=fam.name)
     expected = model.state_dict()
     if set(sd) != set(expected):
         raise UnsupportedConfigError(f"{cls.__name__} holds {sorted(set(expected) ^ set(sd))[:3]} that the variables "
-                                "do not (or the reverse): pass the variables built for this config")
+                                     "do not (or the reverse): pass the variables built for this config")
     model.load_state_dict({k: torch.from_numpy(np.array(v)).to(expected[k].dtype) for k, v in sd.items()}, strict=True)
     return model.eval()
 
 
 def load_pretrained(
     path: str | Path, *, max_len: int | None = None, dtype: str = "float32"
-) -> tuple[EncoderConfig, dict[str, Any], Path | None, Path | None]:
+) -> Converted:
     """One call for a trainer: (EncoderConfig, Encoder params (plain tree, no 'params' wrapper),
-    tokenizer.json path or None, license file path or None) from a local checkpoint directory.
+    tokenizer.json path or None, license file path or None) from a local checkpoint directory;
+    `.family` on the result names the family. Needs neither torch nor transformers (safetensors files).
 
-    The config's pooling is the family's own sequence-classification pooling ('cls' with its pooler
-    activation for BERT-family, 'last' for Llama-family), so a Classifier built from it mirrors
-    transformers' *ForSequenceClassification; its pooler and head start fresh (set num_classes).
-    A classifier checkpoint gives its encoder only."""
+    The config's pooling is the family's own sequence-classification head's (pooling, pooler activation
+    and norm), so a Classifier built from it mirrors transformers' *ForSequenceClassification; its pooler
+    and head start fresh (set num_classes). A classifier checkpoint gives its encoder only."""
     path = Path(path)
-    cfg, variables = from_hf(path, max_len=max_len, dtype=dtype)
+    converted = from_hf(path, max_len=max_len, dtype=dtype)
+    cfg, variables = converted
     params = variables["params"]
     params = params.get("encoder", params)
-    family = _FAMILIES[guess_family(cfg)]
-    cfg = cfg.model_copy(update=family.head_fields(guess_family(cfg)))
+    fam, hf_cfg = read_config(path)
+    cfg = cfg.model_copy(update=fam.head_fields(hf_cfg))
     tok = path / "tokenizer.json"
     lic = sorted(p for p in path.iterdir() if p.is_file() and p.name.lower().startswith(("license", "licence")))
-    return cfg, params, tok if tok.is_file() else None, lic[0] if lic else None
+    return Converted((cfg, params, tok if tok.is_file() else None, lic[0] if lic else None), fam.name)

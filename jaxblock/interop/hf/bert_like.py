@@ -1,32 +1,36 @@
-"""BERT, RoBERTa and DistilBERT <-> EncoderConfig / Encoder and Classifier params.
+"""Shared translation for the Post-LN BERT layouts: 'bert' (BERT, ELECTRA), 'roberta' (RoBERTa,
+XLM-RoBERTa, CamemBERT) and 'distilbert'. The family entries in families/ bind a layout.
 
 These are Post-LN encoders: word (+ token-type) + learned position embeddings, an embedding LayerNorm,
 then blocks LN1(x + MHA(x)), LN2(u + FFN(u)), no final norm. RoBERTa counts positions from
 padding_idx + 1 (our `position_offset`); right-padded rows then get the same positions as in
-transformers at every real token. The sequence-classification heads all read token 0 ([CLS] / <s>):
-BERT's pooler dense+tanh then `classifier`, RoBERTa's `classifier.dense`+tanh then `classifier.out_proj`,
-DistilBERT's `pre_classifier`+ReLU then `classifier`: our pooling='cls' with the matching activation.
+transformers at every real token. ELECTRA's embeddings may be narrower than the blocks (embedding_size,
+our embed_dim) and are then projected by `embeddings_project` (our embed_proj). The sequence-classification
+heads all read token 0 ([CLS] / <s>): BERT's pooler dense+tanh then `classifier`, RoBERTa's
+`classifier.dense`+tanh then `classifier.out_proj`, ELECTRA's the same names with GELU, DistilBERT's
+`pre_classifier`+ReLU then `classifier`: our pooling='cls' with the matching activation.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from jaxblock.config import EncoderConfig
-from jaxblock.interop.hf.common import Mapping, linear, norm, refuse
+from jaxblock.interop.hf.common import Mapping, check_all, linear, norm, refuse, refuse_extras
 
-FAMILIES = ("bert", "roberta", "distilbert")
+Layout = Literal["bert", "roberta", "distilbert"]
 
 # transformers' hidden_act -> our activation (only exact equivalents)
 _ACTIVATIONS = {"gelu": "gelu", "relu": "relu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"}
 _ACTIVATIONS_BACK = {"gelu": "gelu", "relu": "relu", "gelu_tanh": "gelu_pytorch_tanh"}
 
 
-def encoder_fields(c: Any, family: str, max_len: int | None) -> dict[str, Any]:
+def encoder_fields(c: Any, max_len: int | None, *, layout: Layout) -> dict[str, Any]:
     """A transformers config -> EncoderConfig keyword arguments (refusing what we cannot express)."""
-    if getattr(c, "is_decoder", False) or getattr(c, "add_cross_attention", False):
+    if c.get("is_decoder") or c.get("add_cross_attention"):
         raise refuse("is_decoder", True, "decoder/cross-attention BERTs are not encoders: use an encoder checkpoint")
-    if family == "distilbert":
+    embed_dim = None
+    if layout == "distilbert":
         if c.sinusoidal_pos_embds:
             raise refuse("sinusoidal_pos_embds", True, "frozen sinusoidal positions are not converted: "
                          "use a checkpoint with learned positions")
@@ -34,14 +38,16 @@ def encoder_fields(c: Any, family: str, max_len: int | None) -> dict[str, Any]:
         dims = dict(model_dim=c.dim, num_heads=c.n_heads, ffn_dim=c.hidden_dim)
         drop, attn_drop, layers, max_pos = c.dropout, c.attention_dropout, c.n_layers, c.max_position_embeddings
     else:
-        pet = getattr(c, "position_embedding_type", "absolute")
+        pet = c.get("position_embedding_type", "absolute")
         if pet != "absolute":
             raise refuse("position_embedding_type", pet, "only absolute positions convert")
         act, eps, types = c.hidden_act, c.layer_norm_eps, c.type_vocab_size
-        offset = c.pad_token_id + 1 if family == "roberta" else 0
+        offset = c.pad_token_id + 1 if layout == "roberta" else 0
         dims = dict(model_dim=c.hidden_size, num_heads=c.num_attention_heads, ffn_dim=c.intermediate_size)
         drop, attn_drop = c.hidden_dropout_prob, c.attention_probs_dropout_prob
         layers, max_pos = c.num_hidden_layers, c.max_position_embeddings
+        size = c.get("embedding_size")
+        embed_dim = size if size is not None and size != c.hidden_size else None
     if not isinstance(act, str) or act not in _ACTIVATIONS:
         raise refuse("hidden_act", act, f"no exact jaxblock activation: use one of {sorted(_ACTIVATIONS)}")
     longest = max_pos - offset
@@ -49,7 +55,7 @@ def encoder_fields(c: Any, family: str, max_len: int | None) -> dict[str, Any]:
         raise refuse("max_len", max_len, f"the checkpoint has positions for {longest} tokens: pass at most that")
     return dict(
         num_layers=layers, vocab_size=c.vocab_size, max_len=max_len or longest, positions="learned",
-        position_offset=offset, type_vocab_size=types, embed_norm=True, embed_dropout=drop,
+        position_offset=offset, type_vocab_size=types, embed_norm=True, embed_dropout=drop, embed_dim=embed_dim,
         block=dict(
             **dims, norm="post", norm_type="layernorm", norm_eps=eps, activation=_ACTIVATIONS[act],
             use_bias=True, attn_dropout=attn_drop, residual_dropout=drop, ffn_dropout=0.0, init="torch",
@@ -57,22 +63,20 @@ def encoder_fields(c: Any, family: str, max_len: int | None) -> dict[str, Any]:
     )
 
 
-def head_fields(family: str) -> dict[str, Any]:
-    return {"pooling": "cls", "pooler_activation": "relu" if family == "distilbert" else "tanh"}
-
-
-def encoder_map(cfg: EncoderConfig, family: str) -> list[Mapping]:
+def encoder_map(cfg: EncoderConfig, *, layout: Layout) -> list[Mapping]:
     """transformers names (without the base-model prefix) -> our Encoder params paths."""
     rows = [
         Mapping("embeddings.word_embeddings.weight", ("embedding",), "same"),
         Mapping("embeddings.position_embeddings.weight", ("pos_embedding",), "same"),
         *norm("embeddings.LayerNorm", ("embed_norm",), bias=True),
     ]
-    if family != "distilbert":
+    if layout != "distilbert":
         rows.append(Mapping("embeddings.token_type_embeddings.weight", ("type_embedding",), "same"))
+    if cfg.embed_width != cfg.block.model_dim:
+        rows += linear("embeddings_project", ("embed_proj",), bias=True)
     for i in range(cfg.num_layers):
         ours = ("stack", f"layers_{i}")
-        if family == "distilbert":
+        if layout == "distilbert":
             hf = f"transformer.layer.{i}"
             names = {"query": "attention.q_lin", "key": "attention.k_lin", "value": "attention.v_lin",
                      "out": "attention.out_lin", "attn_norm": "sa_layer_norm", "linear1": "ffn.lin1",
@@ -92,21 +96,19 @@ def encoder_map(cfg: EncoderConfig, family: str) -> list[Mapping]:
     return rows
 
 
-def head_map(family: str) -> list[Mapping]:
-    """Full transformers names of a *ForSequenceClassification head -> our Classifier paths."""
-    pooler, head = {
-        "bert": ("bert.pooler.dense", "classifier"),
-        "roberta": ("classifier.dense", "classifier.out_proj"),
-        "distilbert": ("pre_classifier", "classifier"),
-    }[family]
+def head_map(pooler: str, head: str) -> list[Mapping]:
+    """A *ForSequenceClassification head: pooler dense and output layer (full transformers names)."""
     return linear(pooler, ("pooler",), bias=True) + linear(head, ("head",), bias=True)
 
 
-def hf_config(cfg: EncoderConfig, family: str, classifier: bool, overrides: dict[str, Any]) -> Any:
-    """EncoderConfig -> the transformers config, refusing (one line, naming the field) what it cannot hold."""
-    import transformers
-
+def hf_config(
+    cfg: EncoderConfig, classifier: bool, *, layout: Layout, family: str, pooler_activation: str,
+    embed_proj: bool = False,
+) -> dict[str, Any]:
+    """EncoderConfig -> transformers config keyword arguments, refusing (one line, naming the field) what
+    the family cannot hold."""
     b = cfg.block
+    refuse_extras(cfg, family, allowed=("embed_dim",) if embed_proj else ())
     checks: list[tuple[str, Any, bool, str]] = [
         ("block.norm", b.norm, b.norm != "post", "this family is Post-LN"),
         ("block.norm_type", b.norm_type, b.norm_type != "layernorm", "this family uses LayerNorm"),
@@ -124,7 +126,7 @@ def hf_config(cfg: EncoderConfig, family: str, classifier: bool, overrides: dict
         ("embed_dropout", cfg.embed_dropout, cfg.embed_dropout != b.residual_dropout,
          "one hidden dropout rate covers embeddings and residual branches: set them equal"),
     ]
-    if family == "distilbert":
+    if layout == "distilbert":
         checks += [
             ("block.norm_eps", b.norm_eps, b.norm_eps != 1e-12, "DistilBERT's LayerNorm eps is fixed at 1e-12"),
             ("block.activation", b.activation, b.activation == "gelu_tanh", "DistilBERT has gelu or relu"),
@@ -132,34 +134,41 @@ def hf_config(cfg: EncoderConfig, family: str, classifier: bool, overrides: dict
         ]
     else:
         checks.append(("type_vocab_size", cfg.type_vocab_size, cfg.type_vocab_size == 0, "needs at least 1 type"))
-    if family == "roberta":
+    if layout == "roberta":
         checks.append(("position_offset", cfg.position_offset, cfg.position_offset < 1,
                        "RoBERTa's positions start at pad_token_id + 1 >= 1"))
     else:
         checks.append(("position_offset", cfg.position_offset, cfg.position_offset != 0, "positions start at 0"))
     if classifier:
-        want = head_fields(family)
         checks += [
             ("pooling", cfg.pooling, cfg.pooling != "cls", "the head reads the first token: use pooling='cls'"),
-            ("pooler_activation", cfg.pooler_activation, cfg.pooler_activation != want["pooler_activation"],
-             f"this head's activation is {want['pooler_activation']}"),
+            ("pooler_activation", cfg.pooler_activation, cfg.pooler_activation != pooler_activation,
+             f"this head's activation is {pooler_activation}"),
         ]
-    for field, value, bad, why in checks:
-        if bad:
-            raise refuse(field, value, f"{family} cannot express it ({why})")
+    check_all(checks, family)
     common = dict(vocab_size=cfg.vocab_size, num_labels=cfg.num_classes)
-    kw: dict[str, Any]
-    if family == "distilbert":
-        kw = dict(dim=b.model_dim, n_heads=b.num_heads, hidden_dim=b.ffn_dim, n_layers=cfg.num_layers,
-                  activation=b.activation, dropout=b.residual_dropout, attention_dropout=b.attn_dropout,
-                  max_position_embeddings=cfg.max_len, sinusoidal_pos_embds=False)
-        return transformers.DistilBertConfig(**(common | kw | overrides))
-    kw = dict(hidden_size=b.model_dim, num_attention_heads=b.num_heads, intermediate_size=b.ffn_dim,
-              num_hidden_layers=cfg.num_layers, hidden_act=_ACTIVATIONS_BACK[b.activation],
-              hidden_dropout_prob=b.residual_dropout, attention_probs_dropout_prob=b.attn_dropout,
-              max_position_embeddings=cfg.max_len + cfg.position_offset, type_vocab_size=cfg.type_vocab_size,
-              layer_norm_eps=b.norm_eps)
-    if family == "roberta":
+    if layout == "distilbert":
+        return common | dict(
+            dim=b.model_dim, n_heads=b.num_heads, hidden_dim=b.ffn_dim, n_layers=cfg.num_layers,
+            activation=b.activation, dropout=b.residual_dropout, attention_dropout=b.attn_dropout,
+            max_position_embeddings=cfg.max_len, sinusoidal_pos_embds=False)
+    kw = common | dict(
+        hidden_size=b.model_dim, num_attention_heads=b.num_heads, intermediate_size=b.ffn_dim,
+        num_hidden_layers=cfg.num_layers, hidden_act=_ACTIVATIONS_BACK[b.activation],
+        hidden_dropout_prob=b.residual_dropout, attention_probs_dropout_prob=b.attn_dropout,
+        max_position_embeddings=cfg.max_len + cfg.position_offset, type_vocab_size=cfg.type_vocab_size,
+        layer_norm_eps=b.norm_eps)
+    if embed_proj:
+        kw["embedding_size"] = cfg.embed_width
+    if layout == "roberta":
         kw["pad_token_id"] = cfg.position_offset - 1
-        return transformers.RobertaConfig(**(common | kw | overrides))
-    return transformers.BertConfig(**(common | kw | overrides))
+    return kw
+
+
+def matches(cfg: EncoderConfig, *, layout: Layout) -> bool:
+    """Whether to_hf should read this config as the layout's base family when none is named."""
+    if cfg.positions != "learned":
+        return False
+    if layout == "roberta":
+        return cfg.position_offset > 0
+    return cfg.position_offset == 0 and bool(cfg.type_vocab_size) == (layout == "bert")

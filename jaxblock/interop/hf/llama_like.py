@@ -1,4 +1,4 @@
-"""Llama, Mistral and Qwen2 <-> EncoderConfig / Encoder and Classifier params.
+"""Shared translation for the Llama layout: Llama, Mistral and Qwen2 (their entries in families/ bind it).
 
 These are Pre-RMSNorm causal stacks: token embedding (no positions added), blocks
 x + Attn(RMSNorm(x)), u + SwiGLU(RMSNorm(u)) with rotary positions on q/k and grouped-query attention,
@@ -16,21 +16,22 @@ from __future__ import annotations
 from typing import Any
 
 from jaxblock.config import EncoderConfig
-from jaxblock.interop.hf.common import Mapping, linear, norm, refuse
-
-FAMILIES = ("llama", "mistral", "qwen2")
+from jaxblock.interop.hf.common import Mapping, check_all, linear, norm, refuse, refuse_extras
 
 
 def _rope(c: Any) -> tuple[float, dict[str, Any] | None]:
     """(rope_theta, our rope_scaling or None) from the config's rope_parameters."""
-    params = getattr(c, "rope_parameters", None) or {}
+    params = c.get("rope_parameters") or {}
     if "full_attention" in params:  # per-layer-type parameters
         params = params["full_attention"]
+    if not params and c.get("rope_scaling"):  # config.json written before transformers 5
+        old = dict(c.rope_scaling)
+        params = old | {"rope_type": old.get("rope_type", old.get("type", "default"))}
     kind = params.get("rope_type", "default")
-    factor = params.get("partial_rotary_factor", getattr(c, "partial_rotary_factor", 1.0))
+    factor = params.get("partial_rotary_factor", c.get("partial_rotary_factor", 1.0))
     if factor != 1.0:
         raise refuse("partial_rotary_factor", factor, "jaxblock rotates the whole head")
-    base = float(params.get("rope_theta", getattr(c, "rope_theta", 10000.0)))
+    base = float(params.get("rope_theta", c.get("rope_theta", 10000.0)))
     if kind == "default":
         return base, None
     if kind == "linear":
@@ -44,22 +45,25 @@ def _rope(c: Any) -> tuple[float, dict[str, Any] | None]:
 
 def _window(c: Any, family: str) -> int | None:
     """The sliding window in force (None = full causal attention)."""
-    window = getattr(c, "sliding_window", None)
+    window = c.get("sliding_window")
     if family == "qwen2":
-        types = getattr(c, "layer_types", None) or []
-        if not getattr(c, "use_sliding_window", False) or "sliding_attention" not in types:
+        use = bool(c.get("use_sliding_window", False))
+        types = c.get("layer_types") or [  # as Qwen2Config derives them when config.json has none
+            "sliding_attention" if use and i >= c.get("max_window_layers", 28) else "full_attention"
+            for i in range(c.num_hidden_layers)]
+        if not use or "sliding_attention" not in types:
             return None
     return window
 
 
-def encoder_fields(c: Any, family: str, max_len: int | None) -> dict[str, Any]:
+def encoder_fields(c: Any, max_len: int | None, *, family: str) -> dict[str, Any]:
     if c.hidden_act != "silu":
         raise refuse("hidden_act", c.hidden_act, "only the SiLU gate (SwiGLU) converts")
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    head_dim = c.get("head_dim") or c.hidden_size // c.num_attention_heads
     if head_dim * c.num_attention_heads != c.hidden_size:
         raise refuse("head_dim", head_dim, f"jaxblock's head width is hidden_size / num_attention_heads "
                      f"= {c.hidden_size / c.num_attention_heads:g}")
-    if getattr(c, "mlp_bias", False):
+    if c.get("mlp_bias", False):
         raise refuse("mlp_bias", True, "bias-free RMSNorm blocks with FFN biases are not expressible")
     base, scaling = _rope(c)
     longest = c.max_position_embeddings
@@ -71,11 +75,12 @@ def encoder_fields(c: Any, family: str, max_len: int | None) -> dict[str, Any]:
         longest = min(longest, window)
     if max_len is not None and max_len > c.max_position_embeddings:
         raise refuse("max_len", max_len, f"the checkpoint allows {c.max_position_embeddings} positions")
-    attn_bias = bool(getattr(c, "attention_bias", False))
+    attn_bias = bool(c.get("attention_bias", False))
+    kv_heads = c.get("num_key_value_heads") or c.num_attention_heads  # None: as many as query heads
     return dict(
         num_layers=c.num_hidden_layers, vocab_size=c.vocab_size, max_len=max_len or longest, positions="rope",
         block=dict(
-            model_dim=c.hidden_size, num_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads,
+            model_dim=c.hidden_size, num_heads=c.num_attention_heads, num_kv_heads=kv_heads,
             ffn_dim=c.intermediate_size, norm="pre", norm_type="rmsnorm", norm_eps=c.rms_norm_eps,
             activation="swiglu", use_bias=False, qkv_bias=True if family == "qwen2" else attn_bias,
             out_bias=False if family == "qwen2" else attn_bias, causal=True, rope=True, rope_base=base,
@@ -85,11 +90,11 @@ def encoder_fields(c: Any, family: str, max_len: int | None) -> dict[str, Any]:
     )
 
 
-def head_fields(family: str) -> dict[str, Any]:
+def head_fields(c: Any) -> dict[str, Any]:
     return {"pooling": "last"}
 
 
-def encoder_map(cfg: EncoderConfig, family: str) -> list[Mapping]:
+def encoder_map(cfg: EncoderConfig) -> list[Mapping]:
     b = cfg.block
     rows = [Mapping("embed_tokens.weight", ("embedding",), "same"), *norm("norm", ("stack", "final_norm"), bias=False)]
     for i in range(cfg.num_layers):
@@ -105,7 +110,7 @@ def encoder_map(cfg: EncoderConfig, family: str) -> list[Mapping]:
     return rows
 
 
-def head_map(family: str) -> list[Mapping]:
+def head_map(cfg: EncoderConfig) -> list[Mapping]:
     return linear("score", ("head",), bias=False)
 
 
@@ -120,14 +125,14 @@ def _rope_parameters(cfg: EncoderConfig) -> dict[str, Any]:
     return out
 
 
-def hf_config(cfg: EncoderConfig, family: str, classifier: bool, overrides: dict[str, Any]) -> Any:
-    import transformers
-
+def hf_config(cfg: EncoderConfig, classifier: bool, *, family: str) -> dict[str, Any]:
+    """EncoderConfig -> transformers config keyword arguments, refusing what the family cannot hold."""
     b = cfg.block
+    refuse_extras(cfg, family)
     qkv, out = b.has_qkv_bias, b.has_out_bias
     bias_ok = (qkv and not out) if family == "qwen2" else qkv == out
     only_attn = "only attention weights have dropout"
-    checks = [
+    checks: list[tuple[str, Any, bool, str]] = [
         ("block.norm", b.norm, b.norm != "pre", "this family is Pre-LN"),
         ("block.norm_type", b.norm_type, b.norm_type != "rmsnorm", "this family uses RMSNorm"),
         ("block.activation", b.activation, b.activation != "swiglu", "the FFN is SwiGLU"),
@@ -146,9 +151,7 @@ def hf_config(cfg: EncoderConfig, family: str, classifier: bool, overrides: dict
         ("pooling", cfg.pooling, classifier and cfg.pooling != "last", "the head reads the last token"),
         ("family", family, family == "mistral" and (qkv or out), "Mistral has no attention biases"),
     ]
-    for field, value, bad, why in checks:
-        if bad:
-            raise refuse(field, value, f"{family} cannot express it ({why})")
+    check_all(checks, family)
     kw: dict[str, Any] = dict(
         vocab_size=cfg.vocab_size, hidden_size=b.model_dim, intermediate_size=b.ffn_dim,
         num_hidden_layers=cfg.num_layers, num_attention_heads=b.num_heads, num_key_value_heads=b.kv_heads,
@@ -157,8 +160,16 @@ def hf_config(cfg: EncoderConfig, family: str, classifier: bool, overrides: dict
         num_labels=cfg.num_classes, tie_word_embeddings=False,
     )
     if family == "llama":
-        llama_kw = dict(attention_bias=qkv, mlp_bias=False, head_dim=b.head_dim)
-        return transformers.LlamaConfig(**(kw | llama_kw | overrides))
+        return kw | dict(attention_bias=qkv, mlp_bias=False, head_dim=b.head_dim)
     if family == "mistral":
-        return transformers.MistralConfig(**(kw | dict(sliding_window=None, head_dim=b.head_dim) | overrides))
-    return transformers.Qwen2Config(**(kw | dict(use_sliding_window=False) | overrides))
+        return kw | dict(sliding_window=None, head_dim=b.head_dim)
+    return kw | dict(use_sliding_window=False)
+
+
+def matches(cfg: EncoderConfig, *, family: str) -> bool:
+    """Whether to_hf should read this config as `family` when none is named (Mistral only when named)."""
+    b = cfg.block
+    if cfg.positions != "rope":
+        return False
+    qwen = b.has_qkv_bias and not b.has_out_bias
+    return qwen if family == "qwen2" else (family == "llama" and not qwen)
