@@ -23,6 +23,7 @@ from jaxblock.diagnostics.tracing import (
     block_config,
     block_paths,
     prepare,
+    skipped_norms,
     subtree,
     trace,
     wiring,
@@ -76,13 +77,16 @@ def padding_invariance(model: nn.Module, variables: Any, batch: Batch, *, seed: 
 
 
 def _replayed(w: Wiring, t: Trace, params: list[Any], cfg: Any, valid: Any, i: int,
-              zeroed: tuple[str, ...] = ()) -> dict[str, np.ndarray]:
-    """Block i's values recomputed from its input and recorded branches (zeros for `zeroed` sites)."""
+              zeroed: tuple[str, ...] = (), skip: frozenset[str] = frozenset()) -> dict[str, np.ndarray]:
+    """Block i's values recomputed from its input and recorded branches (zeros for `zeroed` sites;
+    norms in `skip` are bypassed by a per-layer setting: identity)."""
     x = real(t.inputs[i], valid)
     branches = {b.site: np.zeros_like(x) if b.site in zeroed else real(t.records[i][b.site], valid)
                 for b in BRANCHES}
 
     def norm_of(value: np.ndarray, module: str) -> np.ndarray:
+        if module in skip:
+            return value
         if module not in params[i]:  # a missing instance (structure reports it) poisons what reads it
             return np.full_like(value, np.nan)
         return norm(value, params[i][module], cfg)
@@ -98,6 +102,7 @@ def sublayer_ablation(model: nn.Module, variables: Any, batch: Batch, *, tol: fl
     valid = batch["valid_tokens"]
     paths = block_paths(model, v, batch)
     layers = [subtree(v["params"], p) for p in paths]
+    skips = skipped_norms(model, len(paths))
     parts = []
     for branch in BRANCHES:
         other = next(b for b in BRANCHES if b is not branch)
@@ -105,7 +110,8 @@ def sublayer_ablation(model: nn.Module, variables: Any, batch: Batch, *, tol: fl
             parts.append((f"zero {branch.name}", True, "the blocks have no such branch (ablated by config)"))
             continue
         t = trace(model, zero_branch(v, paths, branch.name), batch)
-        errs = [rel_err(real(t.outputs[i], valid), _replayed(w, t, layers, cfg, valid, i, (branch.site,))[w.output])
+        errs = [rel_err(real(t.outputs[i], valid), _replayed(w, t, layers, cfg, valid, i, (branch.site,),
+                                                                   skips[i])[w.output])
                 for i in range(len(t.outputs))]
         worst = max(errs, default=0.0)
         parts.append((f"zero {branch.name}: block = identity + {other.site}", worst <= tol,
@@ -142,6 +148,7 @@ def structure(model: nn.Module, variables: Any, batch: Batch, *, seed: int = 0, 
     valid = batch["valid_tokens"]
     paths = block_paths(model, v, batch)
     layers = [subtree(v["params"], p) for p in paths]
+    skips = skipped_norms(model, len(paths))
     parts: list[Part] = []
 
     missing = [f"{'/'.join(p)}/{s.module}" for p, layer in zip(paths, layers, strict=True)
@@ -156,9 +163,10 @@ def structure(model: nn.Module, variables: Any, batch: Batch, *, seed: int = 0, 
         norm_errs, replay_errs = [], []
         for i, rec in enumerate(t.records):
             values = {**{k: real(r, valid) for k, r in rec.items()}, BLOCK_INPUT: real(t.inputs[i], valid)}
-            norm_errs.append(max((rel_err(values[s.name], norm(values[s.inputs[0]], rlayers[i][s.module], cfg))
+            norm_errs.append(max((rel_err(values[s.name], values[s.inputs[0]] if s.module in skips[i] else
+                                          norm(values[s.inputs[0]], rlayers[i][s.module], cfg))
                                   for s in w.norms if s.module is not None and s.name in values), default=0.0))
-            replay = _replayed(w, t, rlayers, cfg, valid, i)
+            replay = _replayed(w, t, rlayers, cfg, valid, i, skip=skips[i])
             replay_errs.append(max([rel_err(values[s], replay[s]) for s in w.order if s in values]
                                    + [rel_err(real(t.outputs[i], valid), replay[w.output])]))
         described = ", ".join(f"{s.name} = {s.module}({s.inputs[0]})" for s in w.norms)
@@ -171,7 +179,7 @@ def structure(model: nn.Module, variables: Any, batch: Batch, *, seed: int = 0, 
         if all(b.module in layer for layer in layers for b in BRANCHES):
             both = tuple(b.site for b in BRANCHES)
             t = trace(model, zero_branch(zero_branch(v, paths, "attention"), paths, "ffn"), batch)
-            errs = [rel_err(real(y, valid), _replayed(w, t, layers, cfg, valid, i, both)[w.output])
+            errs = [rel_err(real(y, valid), _replayed(w, t, layers, cfg, valid, i, both, skips[i])[w.output])
                     for i, y in enumerate(t.outputs)]
             worst = max(errs, default=0.0)
             what = "its norms alone" if w.output_is_normalized else "the identity"

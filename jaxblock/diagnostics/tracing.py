@@ -59,6 +59,12 @@ def block_config(model: nn.Module) -> Any:
     return getattr(cfg, "block", cfg)
 
 
+def skipped_norms(model: nn.Module, num_layers: int) -> list[frozenset[str]]:
+    """Per layer, the norm modules the stack's per-layer settings bypass (layer_attn_norm False: attn_norm)."""
+    flags = getattr(model.config, "layer_attn_norm", None) or (True,) * num_layers
+    return [frozenset() if keep else frozenset({"attn_norm"}) for keep in flags]
+
+
 def wiring(model: nn.Module) -> Wiring:
     """The placement's wiring the model's blocks must follow (jaxblock.wiring)."""
     return wiring_of(model.config)

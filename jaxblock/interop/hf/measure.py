@@ -4,7 +4,8 @@ Prints, per family and for our float32 and bfloat16 compute against transformers
 |diff| of the last hidden state at real positions (and of the classifier logits) and the worst relative
 L2 gradient error over all parameters. Models: D=64, 4 heads (Llama family: 2 key/value heads), F=96,
 2 layers, V=40, biases and norm weights perturbed off their init; batch 3 x 12, right-padded to
-lengths 12, 7, 3, token types 0/1 where the family has them.
+lengths 12, 7, 3, token types 0/1 where the family has them. ELECTRA: embeddings of width 32, projected.
+ModernBERT: layer 0 global (RoPE base 1000), layer 1 local (base 50, window +-2: local_attention=4).
 """
 
 from __future__ import annotations
@@ -14,10 +15,9 @@ from typing import Any
 
 import numpy as np
 
-FAMILIES = ("bert", "roberta", "distilbert", "llama", "mistral", "qwen2")
+FAMILIES = ("bert", "roberta", "distilbert", "llama", "mistral", "qwen2", "xlm-roberta", "camembert", "electra",
+            "modernbert")
 VOCAB, PAD, LENGTHS = 40, 1, (12, 7, 3)
-_CLASS = {"bert": "Bert", "roberta": "Roberta", "distilbert": "DistilBert", "llama": "Llama",
-          "mistral": "Mistral", "qwen2": "Qwen2"}
 
 
 def tiny_config(family: str, **extra: Any) -> Any:
@@ -31,8 +31,17 @@ def tiny_config(family: str, **extra: Any) -> Any:
     cfg: Any
     if family == "bert":
         cfg = transformers.BertConfig(**small, pad_token_id=PAD)
-    elif family == "roberta":
-        cfg = transformers.RobertaConfig(**small, max_position_embeddings=40, pad_token_id=PAD)
+    elif family in ("roberta", "xlm-roberta", "camembert"):
+        cls = {"roberta": "Roberta", "xlm-roberta": "XLMRoberta", "camembert": "Camembert"}[family]
+        cfg = getattr(transformers, cls + "Config")(**small, max_position_embeddings=40, pad_token_id=PAD)
+    elif family == "electra":
+        cfg = transformers.ElectraConfig(**small, embedding_size=32, pad_token_id=PAD)
+    elif family == "modernbert":
+        cfg = transformers.ModernBertConfig(
+            **small, layer_types=["full_attention", "sliding_attention"], local_attention=4,
+            rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1000.0},
+                             "sliding_attention": {"rope_type": "default", "rope_theta": 50.0}},
+            pad_token_id=PAD, bos_token_id=2, eos_token_id=3, cls_token_id=2, sep_token_id=3)
     elif family == "distilbert":
         cfg = transformers.DistilBertConfig(vocab_size=VOCAB, dim=64, n_layers=2, n_heads=4, hidden_dim=96,
                                             max_position_embeddings=40, pad_token_id=PAD)
@@ -52,10 +61,13 @@ def tiny_model(family: str, head: bool = False, seed: int = 0, **extra: Any) -> 
     import torch
     import transformers
 
+    from jaxblock.interop.hf.family import family as registered
+
     torch.manual_seed(seed)
-    cls = getattr(transformers, _CLASS[family] + ("ForSequenceClassification" if head else "Model"))
+    fam = registered(family)
+    cls = getattr(transformers, fam.hf_class + ("ForSequenceClassification" if head else "Model"))
     cfg = tiny_config(family, **({"num_labels": 3} if head else {}) | extra)
-    model = cls(cfg, add_pooling_layer=False) if family in ("bert", "roberta") and not head else cls(cfg)
+    model = cls(cfg) if head else cls(cfg, **fam.base_kwargs)
     with torch.no_grad():  # init leaves biases 0 and norm weights 1: move them so every map is exercised
         for name, p in model.named_parameters():
             if name.endswith("bias") or "norm" in name.lower():

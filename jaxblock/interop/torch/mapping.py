@@ -282,6 +282,11 @@ def to_torch(
     """
     block = config if isinstance(config, BlockConfig) else config.block
     _check_expressible(block)
+    if isinstance(config, StackConfig) and config.per_layer:
+        name = {"window": "layer_windows", "rope_base": "layer_rope_bases", "attn_norm": "layer_attn_norm"}[
+            next(iter(config.per_layer))]
+        raise ValueError(f"{name}={getattr(config, name)} has no nn.TransformerEncoder equivalent (its layers are "
+                         "identical copies): remove the per-layer settings")
     layer = torch.nn.TransformerEncoderLayer(
         block.model_dim, block.num_heads, block.ffn_dim, dropout=block.attn_dropout, activation=block.activation,
         layer_norm_eps=block.norm_eps, batch_first=batch_first, norm_first=block.norm == "pre",
