@@ -2,8 +2,9 @@
 
 The directory is what `save_pretrained` writes (config.json, model.safetensors or pytorch_model.bin) plus
 the fast tokenizer's `tokenizer.json` (`tokenizer.save_pretrained(dir)` writes it); nothing is ever
-downloaded. Weights and config go through `jaxblock.interop.hf.load_pretrained` (BERT, RoBERTa,
-DistilBERT, Llama, Mistral, Qwen2; anything it cannot express exactly is refused in one line). The
+downloaded. Weights and config go through `jaxblock.interop.hf.load_pretrained` (every registered family:
+docs/families.md; anything it cannot express exactly is refused in one line), which needs neither torch nor
+transformers for safetensors weights (a pytorch_model.bin needs torch: one line says so). The
 padding id: RoBERTa's is position_offset - 1 (its padding_idx), else the tokenizer's padding token,
 config.json's pad_token_id, a [PAD]/<pad> token, or 0 (padding positions are masked, so any id in range
 computes the same; the checkpoint's own keeps ids what transformers would feed).
@@ -33,18 +34,13 @@ def hf_source(spec: str) -> Source:
     if not (path / "config.json").is_file():
         raise ConfigError(f"model.init_from={spec}: {path} holds no config.json: pass a directory written by "
                           "save_pretrained")
-    try:
-        import transformers
+    from jaxblock.interop import hf  # reads config.json and safetensors without torch or transformers
 
-        from jaxblock.interop import hf
-    except ImportError as err:
-        raise ConfigError(f"model.init_from={spec} needs the hf extra ({err.name} is missing): "
-                          "pip install -e '.[hf]'") from None
-    transformers.logging.set_verbosity_error()  # its config warnings are not the user's concern: we refuse or convert
     try:
-        model, encoder, tokenizer_json, license_file = hf.load_pretrained(path)
+        loaded = hf.load_pretrained(path)
+        model, encoder, tokenizer_json, license_file = loaded
         raw = json.loads((path / "config.json").read_text())
-    except hf.UnsupportedConfigError as err:
+    except (hf.UnsupportedConfigError, FileNotFoundError) as err:
         raise ConfigError(f"model.init_from={spec}: {err}") from None
     except Exception as err:  # transformers/safetensors/torch raise assorted errors for unreadable files
         raise ConfigError(f"model.init_from={spec}: cannot read the checkpoint ({err.__class__.__name__}: "
@@ -64,8 +60,8 @@ def hf_source(spec: str) -> Source:
     files = {"config.json": path / "config.json"}
     if license_file is not None:
         files[license_file.name] = license_file
-    record = {"kind": "hf", "path": str(path.absolute()), "model_type": raw.get("model_type"),
-              "architectures": raw.get("architectures"), "pad_id": pad_id}
+    record = {"kind": "hf", "path": str(path.absolute()), "family": loaded.family,
+              "model_type": raw.get("model_type"), "architectures": raw.get("architectures"), "pad_id": pad_id}
     return Source(spec, model, PretrainedTokenizer(tok, pad_id), encoder, files, record)
 
 def _pad_id(tok: HFTokenizer, model: EncoderConfig, raw: dict[str, Any]) -> int:
