@@ -40,7 +40,7 @@ def choose_implementation(
 ) -> tuple[str, str]:
     """(implementation, reason) for this config and call; pure Python, usable for reporting.
 
-    extra_mask: an attn_mask or segment_ids is present (cuDNN's fused kernel takes only
+    extra_mask: an attn_mask, segment_ids or a per-layer window is present (cuDNN's fused kernel takes only
     sequence lengths and causal). length: L of the call; on a CPU, 'auto' picks the chunked
     kernel from 4 key blocks (L >= 4 * attn_chunk_size) on, where it measured faster than XLA's
     (1.26x at L=2048 and 1.38x at L=4096, with a third and a fifth of the memory: python -m bench --only length).
@@ -74,7 +74,7 @@ def _cudnn_blocker(config: BlockConfig, backend: str, extra_mask: bool) -> str |
     if config.dtype not in ("bfloat16", "float16"):
         return f"dtype {config.dtype} (cuDNN flash attention needs bfloat16/float16)"
     if extra_mask:
-        return "an attn_mask or segment_ids is present (cuDNN takes only lengths and causal)"
+        return "an attn_mask, segment_ids or attention window is present (cuDNN takes only lengths and causal)"
     if config.head_dim % 8 or config.head_dim > 256:
         return f"head width {config.head_dim} (cuDNN needs a multiple of 8, at most 256)"
     return None

@@ -17,8 +17,8 @@ from jaxblock.model import Classifier, Encoder
 
 # (forward max abs diff at real positions, relative L2 gradient error) by our compute dtype, against the
 # transformers model in float32. float32 is the bound (measured: <= 1e-6 forward, <= 8e-7 gradient).
-# bfloat16: measured worst over the six families, base and classifier (python -m jaxblock.interop.hf.measure:
-# D=64, 2 layers) 2.5e-2 forward / 1.5e-2 gradient; the bounds leave 2.4x and 2.6x headroom.
+# bfloat16: measured worst over the ten families, base and classifier (python -m jaxblock.interop.hf.measure:
+# D=64, 2 layers; docs/families.md) 2.5e-2 forward / 1.5e-2 gradient; the bounds leave 2.4x and 2.6x headroom.
 GRAD_FLOOR = 1e-3
 TOLERANCES = {"float32": (2e-5, 1e-4), "bfloat16": (6e-2, 4e-2)}
 
