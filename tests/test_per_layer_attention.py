@@ -39,7 +39,7 @@ def _init(cfg: EncoderConfig, model: Any = Encoder) -> Any:
     return nn.unbox(model(cfg).init(jax.random.key(0), TOKENS, VALID))
 
 
-@pytest.mark.parametrize("attention", ["xla", "unfused", "chunked"])
+@pytest.mark.parametrize("attention", ["xla", pytest.param("unfused", marks=pytest.mark.slow), "chunked"])
 def test_scan_and_remat_equal_the_unrolled_stack(attention: str) -> None:
     cfg = _cfg(attention)
     variables = _init(cfg)
@@ -109,6 +109,7 @@ def test_cudnn_is_not_chosen_for_a_windowed_layer() -> None:
     assert impl == "xla" and "cuDNN requested" in why
 
 
+@pytest.mark.slow  # every diagnostic compiles its own programs: ~15 s on 2 shared cores
 def test_the_diagnostics_pass_on_a_per_layer_stack() -> None:
     model = Classifier(_cfg(pooling="mean"))
     batch = {"tokens": TOKENS, "valid_tokens": VALID, "labels": jnp.asarray([0, 2], jnp.int32)}
@@ -140,3 +141,29 @@ def test_the_pytorch_interop_refuses_per_layer_settings_in_one_line() -> None:
     with pytest.raises(ValueError) as err:
         to_torch(cfg, _init(cfg)["params"]["stack"])
     assert "\n" not in str(err.value) and "layer_windows" in str(err.value)
+
+
+@pytest.mark.parametrize("attention", ["xla", "chunked"])
+def test_non_finite_padding_reaches_no_gradient_of_a_per_layer_stack(attention: str) -> None:
+    """As tests/test_padding_gradients.py checks the uniform stack: NaN/Inf at padded positions of x leave
+    real outputs and every parameter gradient bitwise unchanged."""
+    from jaxblock import EncoderStack, StackConfig
+
+    cfg = StackConfig(num_layers=3, block=dict(model_dim=16, num_heads=2, ffn_dim=24, rope=True, attention=attention,
+                                               attn_chunk_size=4), **PER_LAYER)
+    stack = EncoderStack(cfg)
+    x = jnp.asarray(np.random.default_rng(1).normal(size=(N, L, 16)), jnp.float32)
+    params = nn.unbox(stack.init(jax.random.key(0), x, VALID))["params"]
+    weights = jnp.asarray(np.random.default_rng(2).normal(size=(N, L, 16)), jnp.float32)
+
+    def loss(p: Any, inputs: jax.Array) -> tuple[jax.Array, jax.Array]:
+        out = stack.apply({"params": p}, inputs, VALID)
+        return jnp.sum(jnp.where(VALID[..., None], out * weights, 0.0)), out
+
+    grad = jax.jit(jax.value_and_grad(loss, has_aux=True))
+    (_, clean_out), clean = grad(params, x)
+    for poison in (np.nan, np.inf, -np.inf):
+        (_, out), got = grad(params, jnp.where(VALID[..., None], x, poison))
+        assert np.array_equal(np.asarray(out)[np.asarray(VALID)], np.asarray(clean_out)[np.asarray(VALID)])
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(clean), strict=True):
+            assert np.all(np.isfinite(np.asarray(a))) and np.array_equal(np.asarray(a), np.asarray(b))
