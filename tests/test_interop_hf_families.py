@@ -342,3 +342,29 @@ def test_the_read_path_needs_neither_torch_nor_transformers(tmp_path: Path) -> N
         assert set(got.files) == set(flat)
         for key, value in flat.items():
             np.testing.assert_array_equal(got[key], value, err_msg=f"{name} {key}")
+
+
+def test_a_modernbert_checkpoint_plans_as_init_from_with_its_per_layer_stack(tmp_path: Path) -> None:
+    from conftest import TINY
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
+
+    from train import run
+
+    tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    texts = [" ".join(str((i * 7 + j) % 16) for j in range(16)) for i in range(64)]
+    tok.train_from_iterator(texts, trainers.WordPieceTrainer(special_tokens=["[PAD]", "[UNK]", "[CLS]", "[SEP]"],
+                                                             show_progress=False))
+    tok.post_processor = processors.BertProcessing(("[SEP]", 3), ("[CLS]", 2))
+    cfg = transformers.ModernBertConfig(
+        vocab_size=tok.get_vocab_size(), hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+        num_attention_heads=2, local_attention=8, global_attn_every_n_layers=3, max_position_embeddings=64,
+        pad_token_id=0, bos_token_id=2, eos_token_id=3, cls_token_id=2, sep_token_id=3)
+    path = tmp_path / "modernbert"
+    transformers.ModernBertModel(cfg).save_pretrained(path)
+    tok.save(str(path / "tokenizer.json"))
+    work = tmp_path / "work"
+    config = run.config_for_workdir(str(TINY), [f"model.init_from=hf:{path}", "parallel.strategy=single"], work)
+    model = run.plan_run(config, work).config.model
+    assert model.layer_windows == (None, 4, 4) and model.layer_rope_bases == (160000.0, 10000.0, 10000.0)
+    assert (model.pooling, model.pooler, model.pooler_norm) == ("cls", "dense", True)
