@@ -368,3 +368,15 @@ def test_a_modernbert_checkpoint_plans_as_init_from_with_its_per_layer_stack(tmp
     model = run.plan_run(config, work).config.model
     assert model.layer_windows == (None, 4, 4) and model.layer_rope_bases == (160000.0, 10000.0, 10000.0)
     assert (model.pooling, model.pooler, model.pooler_norm) == ("cls", "dense", True)
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("{not json", "config.json is not JSON"),
+    ('{"hidden_size": 8}', "names no model_type"),
+    ('{"model_type": "t5"}', "model_type='t5': not converted"),
+])
+def test_a_bad_config_json_is_refused_in_one_line(tmp_path: Path, text: str, message: str) -> None:
+    (tmp_path / "config.json").write_text(text)
+    with pytest.raises(hf.UnsupportedConfigError) as err:
+        hf.from_hf(tmp_path)
+    assert message in str(err.value) and "\n" not in str(err.value)
