@@ -74,7 +74,7 @@ def test_a_window_is_the_attention_mask_it_stands_for_and_each_setting_matters()
         assert np.abs(without - out)[np.asarray(VALID)].max() > 1e-3, name
 
 
-@pytest.mark.parametrize("scan", [False, True])
+@pytest.mark.parametrize("scan", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_padding_changes_no_real_output_or_logit(scan: bool) -> None:
     cfg = _cfg(scan_layers=scan, pooling="mean")
     params = _init(cfg, Classifier)["params"]
@@ -143,7 +143,7 @@ def test_the_pytorch_interop_refuses_per_layer_settings_in_one_line() -> None:
     assert "\n" not in str(err.value) and "layer_windows" in str(err.value)
 
 
-@pytest.mark.parametrize("attention", ["xla", "chunked"])
+@pytest.mark.parametrize("attention", [pytest.param("xla", marks=pytest.mark.slow), "chunked"])
 def test_non_finite_padding_reaches_no_gradient_of_a_per_layer_stack(attention: str) -> None:
     """As tests/test_padding_gradients.py checks the uniform stack: NaN/Inf at padded positions of x leave
     real outputs and every parameter gradient bitwise unchanged."""
