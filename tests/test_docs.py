@@ -46,7 +46,7 @@ def _run_block(page: str, code: str) -> str:
 
 def test_the_docs_hold_python_blocks_and_each_unrun_one_says_why():
     assert {page for page, *_ in BLOCKS} >= {"model.md", "interop.md", "training.md"}, BLOCKS
-    for page, code, mark, reason in BLOCKS:
+    for page, _code, mark, reason in BLOCKS:
         assert mark in (None, "slow") or len(reason.split()) >= 3, f"{page}: say why a block does not run"
 
 
