@@ -202,12 +202,12 @@ def test_chunked_attention_gradients_match_autodiff_of_dense_attention_with_ever
 
     def dense(q, kk, vv):  # the textbook definition, autodiffed
         r = h // g
-        s = jnp.einsum("NQGRK,NSGK->NGRQS", q.reshape(n, length, g, r, k), kk) / np.sqrt(k)
+        s = jnp.einsum("NQGRK,NMGK->NGRQM", q.reshape(n, length, g, r, k), kk) / np.sqrt(k)
         ok = valid[:, None, :] & attn_mask & (seg[:, :, None] == seg[:, None, :])
         ok = ok & jnp.tril(jnp.ones((length, length), bool))[None]
         ok = ok[:, None, None]  # [N, 1, 1, L, L]
         p = jnp.where(ok, jax.nn.softmax(jnp.where(ok, s, -1e30), axis=-1), 0.0)
-        return jnp.einsum("NGRQS,NSGK->NQGRK", p, vv).reshape(n, length, h, k)
+        return jnp.einsum("NGRQM,NMGK->NQGRK", p, vv).reshape(n, length, h, k)
 
     def chunked(q, kk, vv):
         return chunked_attention(q, kk, vv, valid, causal=True, attn_mask=attn_mask, segment_ids=seg, chunk_size=3)

@@ -132,7 +132,8 @@ def test_bad_input_exits_2_with_one_line(argv: list[str], message: str, tmp_path
 
 @pytest.mark.slow
 def test_full_study_reproduces_the_post_ln_trend(tmp_path: Path) -> None:
-    """The README's study: relative to Pre-LN, Post-LN's FFN-output gradients grow toward the output layers."""
+    """The study in docs/diagnostics.md: relative to Pre-LN, Post-LN's FFN-output gradients grow toward the
+    output layers."""
     assert study.main(["--out", str(tmp_path)]) == 0
     result = json.loads((tmp_path / "study_ln.json").read_text())
     for depth in result["settings"]["depths"]:
