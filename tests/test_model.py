@@ -4,6 +4,8 @@ padding invariance of the pooled logits (and its failure without either mask), p
 Shapes: N=2, L=6, D=8, H=2, F=16, B=2 blocks, V=11, C=3; row 0 has 4 real tokens, row 1 has 6.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -68,11 +70,18 @@ def _stack(cfg, params, x, valid=VALID, **kw):
     return EncoderStack(cfg).apply({"params": params}, x, valid, **kw)
 
 
+@functools.cache
+def _compiled_apply(cfg: EncoderConfig):
+    """The Classifier's apply as one compiled program per config: op by op (eagerly), every small op is
+    compiled on its own, which costs more than one compile of the whole model on these tiny shapes."""
+    return jax.jit(Classifier(cfg).apply, static_argnames=("train", "num_segments"))
+
+
 def _logits(cfg, params, tokens=TOKENS, valid=VALID, **kw) -> np.ndarray:
-    return np.asarray(Classifier(cfg).apply({"params": params}, tokens, valid, **kw))
+    return np.asarray(_compiled_apply(cfg)({"params": params}, tokens, valid, **kw))
 
 
-# --- the stack: K blocks and the final norm by placement -----------------------------------------
+# --- the stack: B blocks and the final norm by placement -----------------------------------------
 
 
 def test_stack_is_its_blocks_in_order_then_the_final_norm():
@@ -256,9 +265,9 @@ def test_a_packed_row_equals_its_examples_run_separately():
     valid = jnp.array([[True] * 5 + [False]])
     alone = jnp.array([first + [0] * 3, second + [0] * 4], jnp.int32)
     alone_valid = jnp.array([[True] * 3 + [False] * 3, [True] * 2 + [False] * 4])
-    enc = Encoder(cfg)
-    h_packed = np.asarray(enc.apply({"params": params["encoder"]}, packed, valid, segment_ids=seg))
-    h_alone = np.asarray(enc.apply({"params": params["encoder"]}, alone, alone_valid))
+    enc = jax.jit(Encoder(cfg).apply)
+    h_packed = np.asarray(enc({"params": params["encoder"]}, packed, valid, segment_ids=seg))
+    h_alone = np.asarray(enc({"params": params["encoder"]}, alone, alone_valid))
     np.testing.assert_allclose(h_packed[0, :3], h_alone[0, :3], atol=1e-5)
     np.testing.assert_allclose(h_packed[0, 3:5], h_alone[1, :2], atol=1e-5)  # positions restart per segment
     per_segment = _logits(cfg, params, packed, valid, segment_ids=seg, num_segments=2)  # [N, S, C]
