@@ -319,10 +319,11 @@ def test_non_finite_padding_never_reaches_real_outputs_or_logits():
     model = Classifier(cfg)
     tokens = jnp.asarray([[1, 2, 3, 4, 5, 6, 7, 8], [3, 1, 4, 1, 0, 0, 0, 0]], jnp.int32)
     valid = jnp.arange(8)[None, :] < jnp.asarray([[8], [4]])
-    variables = model.init(jax.random.key(0), tokens, valid)
-    clean = model.apply(variables, tokens, valid)
+    variables = jax.jit(model.init)(jax.random.key(0), tokens, valid)
+    apply = jax.jit(model.apply)  # one compile for both calls (op by op compiles each small op)
+    clean = apply(variables, tokens, valid)
     poisoned_tokens = jnp.where(valid, tokens, 99)  # out of range: the lookup gives NaN
-    poisoned = model.apply(variables, poisoned_tokens, valid)
+    poisoned = apply(variables, poisoned_tokens, valid)
     assert bool(jnp.all(jnp.isfinite(poisoned)))
     np.testing.assert_allclose(np.asarray(poisoned), np.asarray(clean), rtol=1e-6, atol=1e-6)
 
@@ -351,7 +352,7 @@ def test_the_stack_settles_each_residual_stream_point_on_cpu_only_and_changes_no
     cfg = StackConfig(num_layers=2, scan_layers=scan, block={**BLOCK, "norm": norm})
     model = EncoderStack(cfg)
     x = jnp.asarray(np.random.default_rng(0).normal(size=(N, L, D)), jnp.float32)
-    params = unbox(model.init(jax.random.key(0), x, VALID))["params"]
+    params = unbox(jax.jit(model.init)(jax.random.key(0), x, VALID))["params"]
 
     results, counts = {}, {}
     for on in (True, False):
