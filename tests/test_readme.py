@@ -129,3 +129,24 @@ def test_the_library_points_to_nothing_outside_the_repository():
     for path in [*(p for paths in code for p in paths), *DOCS.glob("*.md"), README]:
         text = path.read_text(encoding="utf-8")
         assert not any(name in text for name in outside), path
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces as hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_every_link_between_the_pages_reaches_its_page_and_heading():
+    pages = [README, *DOCS.glob("*.md")]
+    links = 0
+    for page in pages:
+        for target, anchor in re.findall(r"\]\(([\w./-]*\.md)(?:#([\w-]+))?\)", page.read_text(encoding="utf-8")):
+            path = (page.parent / target).resolve()
+            if path.name in PAGES_WRITTEN_ELSEWHERE and not path.exists():
+                continue
+            assert path.is_file(), f"{page.name} links {target}, which does not exist"
+            if anchor:
+                headings = re.findall(r"^#+ (.+)$", path.read_text(encoding="utf-8"), flags=re.MULTILINE)
+                assert anchor in {_anchor(h) for h in headings}, f"{page.name} links {target}#{anchor}: no such heading"
+            links += 1
+    assert links >= 20, links
