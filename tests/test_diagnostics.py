@@ -66,7 +66,7 @@ def classifier(norm: str = "pre", **stack: Any) -> Classifier:
 
 def init(model: nn.Module, batch: dict[str, jax.Array], seed: int = 0) -> Any:
     x = batch["x"] if "x" in batch else batch["tokens"]
-    return nn.unbox(jax.jit(model.init)(jax.random.key(seed), x, batch["valid_tokens"]))
+    return nn.unbox(model.init(jax.random.key(seed), x, batch["valid_tokens"]))
 
 
 # --- variants: the defects users actually write ---------------------------------------------------

@@ -85,12 +85,11 @@ def test_sums_count_chosen_real_tokens_only_and_match_full_logits() -> None:
     model = TASK.build_model(config.model)
     params = init_params(model, 0, L)
     batch = packed_batch(0)
-    out = jax.jit(lambda p, b: TASK.apply(model.apply, p, b, train=False, rng=None))(params, batch)  # one compile
+    out = TASK.apply(model.apply, params, batch, train=False, rng=None)
     sums = TASK.sums(out, batch)
     chosen = batch["mlm_weights"] > 0
     assert int(sums["count"]) == int(chosen.sum()) > 0 and not chosen[~batch["valid_tokens"]].any()
-    full = jax.jit(model.apply)({"params": params}, batch["tokens"], batch["valid_tokens"],
-                                segment_ids=batch["segment_ids"])
+    full = model.apply({"params": params}, batch["tokens"], batch["valid_tokens"], segment_ids=batch["segment_ids"])
     ref = TASK.sums(full, batch)  # the diagnostics' form: logits at every position
     np.testing.assert_allclose(float(sums["loss_sum"]), float(ref["loss_sum"]), rtol=1e-5)
     assert int(sums["correct"]) == int(ref["correct"])

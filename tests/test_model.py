@@ -4,8 +4,6 @@ padding invariance of the pooled logits (and its failure without either mask), p
 Shapes: N=2, L=6, D=8, H=2, F=16, B=2 blocks, V=11, C=3; row 0 has 4 real tokens, row 1 has 6.
 """
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -70,15 +68,8 @@ def _stack(cfg, params, x, valid=VALID, **kw):
     return EncoderStack(cfg).apply({"params": params}, x, valid, **kw)
 
 
-@functools.cache
-def _compiled_apply(cfg: EncoderConfig):
-    """The Classifier's apply as one compiled program per config: op by op (eagerly), every small op is
-    compiled on its own, which costs more than one compile of the whole model on these tiny shapes."""
-    return jax.jit(Classifier(cfg).apply, static_argnames=("train", "num_segments"))
-
-
 def _logits(cfg, params, tokens=TOKENS, valid=VALID, **kw) -> np.ndarray:
-    return np.asarray(_compiled_apply(cfg)({"params": params}, tokens, valid, **kw))
+    return np.asarray(Classifier(cfg).apply({"params": params}, tokens, valid, **kw))
 
 
 # --- the stack: B blocks and the final norm by placement -----------------------------------------
@@ -265,9 +256,9 @@ def test_a_packed_row_equals_its_examples_run_separately():
     valid = jnp.array([[True] * 5 + [False]])
     alone = jnp.array([first + [0] * 3, second + [0] * 4], jnp.int32)
     alone_valid = jnp.array([[True] * 3 + [False] * 3, [True] * 2 + [False] * 4])
-    enc = jax.jit(Encoder(cfg).apply)
-    h_packed = np.asarray(enc({"params": params["encoder"]}, packed, valid, segment_ids=seg))
-    h_alone = np.asarray(enc({"params": params["encoder"]}, alone, alone_valid))
+    enc = Encoder(cfg)
+    h_packed = np.asarray(enc.apply({"params": params["encoder"]}, packed, valid, segment_ids=seg))
+    h_alone = np.asarray(enc.apply({"params": params["encoder"]}, alone, alone_valid))
     np.testing.assert_allclose(h_packed[0, :3], h_alone[0, :3], atol=1e-5)
     np.testing.assert_allclose(h_packed[0, 3:5], h_alone[1, :2], atol=1e-5)  # positions restart per segment
     per_segment = _logits(cfg, params, packed, valid, segment_ids=seg, num_segments=2)  # [N, S, C]
@@ -319,11 +310,10 @@ def test_non_finite_padding_never_reaches_real_outputs_or_logits():
     model = Classifier(cfg)
     tokens = jnp.asarray([[1, 2, 3, 4, 5, 6, 7, 8], [3, 1, 4, 1, 0, 0, 0, 0]], jnp.int32)
     valid = jnp.arange(8)[None, :] < jnp.asarray([[8], [4]])
-    variables = jax.jit(model.init)(jax.random.key(0), tokens, valid)
-    apply = jax.jit(model.apply)  # one compile for both calls (op by op compiles each small op)
-    clean = apply(variables, tokens, valid)
+    variables = model.init(jax.random.key(0), tokens, valid)
+    clean = model.apply(variables, tokens, valid)
     poisoned_tokens = jnp.where(valid, tokens, 99)  # out of range: the lookup gives NaN
-    poisoned = apply(variables, poisoned_tokens, valid)
+    poisoned = model.apply(variables, poisoned_tokens, valid)
     assert bool(jnp.all(jnp.isfinite(poisoned)))
     np.testing.assert_allclose(np.asarray(poisoned), np.asarray(clean), rtol=1e-6, atol=1e-6)
 
@@ -352,7 +342,7 @@ def test_the_stack_settles_each_residual_stream_point_on_cpu_only_and_changes_no
     cfg = StackConfig(num_layers=2, scan_layers=scan, block={**BLOCK, "norm": norm})
     model = EncoderStack(cfg)
     x = jnp.asarray(np.random.default_rng(0).normal(size=(N, L, D)), jnp.float32)
-    params = unbox(jax.jit(model.init)(jax.random.key(0), x, VALID))["params"]
+    params = unbox(model.init(jax.random.key(0), x, VALID))["params"]
 
     results, counts = {}, {}
     for on in (True, False):

@@ -10,8 +10,6 @@ Shapes: N=2 rows, L=8 tokens, D=8, H=2, F=16, B=2 blocks, V=11 ids, C=3 classes,
 Row 0 has 5 real tokens (3 padded), row 1 has 8.
 """
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -99,7 +97,7 @@ _block_case = _slow_unless(("xla", "pre"))
 @pytest.mark.parametrize(("impl", "norm"), [_block_case(i, n) for i in IMPLS for n in ("pre", "post")])
 def test_block_gradients_ignore_non_finite_padded_inputs(impl, norm):
     block = EncoderBlock(EncoderConfig(block=_block(impl, norm)).block)
-    variables = unbox(jax.jit(block.init)(jax.random.key(0), X, VALID))
+    variables = unbox(block.init(jax.random.key(0), X, VALID))
     _check(block, variables, X, [_poisoned_x(v) for v in POISONS.values()], VALID)
 
 
@@ -110,7 +108,7 @@ _packed_case = _slow_unless(("chunked", True))
 def test_stack_gradients_ignore_non_finite_padded_inputs(impl, packed):
     stack = EncoderStack(StackConfig(num_layers=2, block=_block(impl)))
     kw = {"segment_ids": SEGMENTS} if packed else {}
-    variables = unbox(jax.jit(functools.partial(stack.init, **kw))(jax.random.key(0), X, VALID))
+    variables = unbox(stack.init(jax.random.key(0), X, VALID, **kw))
     _check(stack, variables, X, [_poisoned_x(v) for v in POISONS.values()], VALID, **kw)
 
 
@@ -126,7 +124,7 @@ def _bad_ids() -> list:
 @pytest.mark.parametrize("impl", [_slow_unless()(i) for i in IMPLS])
 def test_encoder_gradients_ignore_out_of_range_padded_ids(impl):
     encoder = Encoder(_ecfg(impl))
-    variables = unbox(jax.jit(encoder.init)(jax.random.key(0), TOKENS, VALID))
+    variables = unbox(encoder.init(jax.random.key(0), TOKENS, VALID))
     _check(encoder, variables, TOKENS, _bad_ids(), VALID)
 
 
@@ -137,7 +135,7 @@ _classifier_case = _slow_unless(("unfused", False))
 def test_classifier_gradients_ignore_out_of_range_padded_ids(impl, packed):
     model = Classifier(_ecfg(impl, positions="sinusoidal"))
     kw = {"segment_ids": SEGMENTS, "num_segments": 2} if packed else {}
-    variables = unbox(jax.jit(functools.partial(model.init, **kw))(jax.random.key(0), TOKENS, VALID))
+    variables = unbox(model.init(jax.random.key(0), TOKENS, VALID, **kw))
     clean_grads = _values_and_grads(model, variables, [TOKENS], VALID, **kw)[0][1]
     # The clean gradients are not trivially zero: all but at most one array (an unused id row) move.
     assert sum(np.abs(g).max() > 0 for g in jax.tree.leaves(clean_grads)) >= len(jax.tree.leaves(clean_grads)) - 1
