@@ -150,3 +150,17 @@ def test_every_link_between_the_pages_reaches_its_page_and_heading():
                 assert anchor in {_anchor(h) for h in headings}, f"{page.name} links {target}#{anchor}: no such heading"
             links += 1
     assert links >= 20, links
+
+
+def test_every_repository_path_the_pages_name_exists():
+    """A page naming `train/loop/step.py` or `tests/test_faults.py` names a file that is there (paths go
+    stale when modules move)."""
+    named = 0
+    for page in [README, *DOCS.glob("*.md")]:
+        text = page.read_text(encoding="utf-8")
+        for path in re.findall(r"(?<![\w/.~-])((?:jaxblock|train|bench|tests|configs|docs)/[\w/.-]*[\w/])", text):
+            if path == "train/validation/test" or Path(path).name in PAGES_WRITTEN_ELSEWHERE:
+                continue  # the split names, not a path; pages other branches write
+            assert (ROOT / path).exists(), f"{page.name} names {path}, which does not exist"
+            named += 1
+    assert named >= 40, named

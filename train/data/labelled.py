@@ -136,7 +136,7 @@ def _encode_split(tok: Tokenizer, texts: list[str], labels: np.ndarray, max_len:
 def load_dataset(cfg: DataConfig, tokenizer_dir: Path | None = None, tokenizer: Tokenizer | None = None) -> Dataset:
     """Load `cfg.source`, split it (seeded by cfg.split_seed), tokenize and truncate each split.
 
-    `tokenizer` (a pretrained checkpoint's, see train/init_from.py) is used as given; else if
+    `tokenizer` (a pretrained checkpoint's, see train/init_from/) is used as given; else if
     `tokenizer_dir` holds a saved tokenizer it is loaded (resume, evaluate); otherwise one is built
     (BPE is trained on the training split only). Nothing is written: the caller saves the tokenizer.
     """
