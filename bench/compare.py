@@ -1,6 +1,6 @@
 """Sections that compare: the machine's matmul peak, and ours vs PyTorch on training and inference.
 
-peak   jitted [S, S] x [S, S] matmuls (S = 1024, 2048, 4096; bf16 too where the hardware has it);
+peak   jitted [n, n] x [n, n] matmuls (n = 1024, 2048, 4096; bf16 too where the hardware has it);
        the practical peak is the best median FLOP/s over the sizes. PyTorch's own matmul is measured
        beside it, so a ratio against PyTorch can be read against what each library gets from the chip.
        On a shared machine the peak moves with the load, so every later step is timed interleaved with

@@ -1,9 +1,9 @@
 """How cost grows: step time and peak memory vs length L, width D and the number of layers; compile time
-vs the number of layers (records name it K, as the benchmark tables do).
+vs the number of layers (records name it B, as the benchmark tables do).
 
 length  L = 128 ... 4096 for one sequence (N=1), B=2 blocks: projections, FFN and activations grow as L,
         attention's FLOPs and its [L, L] scores as L². Four attention/memory settings: XLA attention,
-        XLA + remat, chunked (flash-style, [L, C] blocks), chunked + remat (remat always with scan over
+        XLA + remat, chunked (flash-style, [L, J] blocks), chunked + remat (remat always with scan over
         layers), and on a GPU 'auto' (cuDNN).
         On a CPU, 'auto' itself picks chunked from L = 4 * attn_chunk_size = 2048 on.
 width   D = 128 ... 1024 (H = D/64, F = 4D) at N=8, L=128, B=2.

@@ -1,4 +1,4 @@
-"""A Markdown summary of a `python -m bench` results file (for the README).
+"""A Markdown summary of a `python -m bench` results file (for docs/performance.md).
 
     python -m bench.report runs/bench/results.json
 

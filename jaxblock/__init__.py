@@ -3,7 +3,8 @@
 Shape alphabet (one meaning per letter, used in docstrings, einsums and tests; docs/contracts.md):
 N batch rows, L sequence length, D model width, H query heads, G key/value heads, R = H / G,
 K = D / H head width, F FFN inner width, B blocks (layers), V vocabulary, C classes,
-S segments (packed examples) per row, T real tokens of a batch, and inside attention einsums
+S segments (packed examples) per row, T real tokens of a batch, P predicted positions per row
+(MLM), Y token types, E examples of a split, and inside attention einsums
 Q / M query / key positions (each of length L) and J a key block of the chunked kernel.
 Mask convention: `valid_tokens: bool[N, L]`, True = a real token (real tokens first).
 """

@@ -222,7 +222,7 @@ class EncoderConfig(StackConfig):
         "then holds max_len + position_offset rows.",
     )
     type_vocab_size: int = Field(
-        0, ge=0, description="T: token types (BERT's segment A/B); > 0 adds a trained [T, D] table indexed by "
+        0, ge=0, description="Y: token types (BERT's segment A/B); > 0 adds a trained [Y, D] table indexed by "
         "token_type_ids (zeros when not given); 0 = no token types.",
     )
     embed_norm: bool = Field(

@@ -98,7 +98,7 @@ class EncoderStack(nn.Module):
 class Encoder(nn.Module):
     """(tokens int[N, L], valid_tokens bool[N, L]) -> [N, L, D]: embedding + positions + stack.
 
-    token_type_ids int[N, L] in [0, T) (zeros when None) are read only when config.type_vocab_size = T > 0.
+    token_type_ids int[N, L] in [0, Y) (zeros when None) are read only when config.type_vocab_size = Y > 0.
     """
 
     config: EncoderConfig

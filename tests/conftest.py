@@ -4,6 +4,9 @@ import atexit
 import importlib.metadata
 import os
 import shutil
+import signal
+import socket
+import subprocess
 import tempfile
 
 # Most of the suite's time is XLA compiling hundreds of tiny programs whose run time does not matter. For
@@ -118,3 +121,60 @@ class PassThrough:
 
     def restore(self, state) -> None:
         self.source.restore(state)
+
+
+class Faulty(PassThrough):
+    """A batch source that passes batches through, with a fault at one step."""
+
+    def __init__(self, source, step: int, fault, examples: bool = True):
+        super().__init__(source)
+        self.step, self.fault, self.examples = step, fault, examples
+
+    def batch(self, step: int):
+        out = self.source.batch(step)
+        return self.fault(out) if step == self.step else out
+
+    def example_batch(self, step: int):
+        out = self.source.example_batch(step)
+        return self.fault(out) if step == self.step and self.examples else out
+
+
+def signal_at(step: int):
+    """A source whose batch of `step` is requested while a real SIGTERM arrives at this process."""
+
+    def send(batch):
+        os.kill(os.getpid(), signal.SIGTERM)  # arrives while step `step + 1` is being prepared
+        return batch
+
+    return lambda source: Faulty(source, step, send, examples=False)
+
+
+# Multi-process runs (tests/test_multihost.py, tests/test_mlm_train.py).
+PROCESS_TIMEOUT = 600  # seconds for a whole multi-process run on a loaded 2-core machine
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_processes(commands: list[list[str]], env: dict[str, str], cwd: Path) -> list[str]:
+    """Start every command at once (they rendezvous), wait for all; on any failure show each output."""
+    procs = [subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for cmd in commands]
+    outputs = []
+    try:
+        for proc in procs:
+            out, _ = proc.communicate(timeout=PROCESS_TIMEOUT)
+            outputs.append(out)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    codes = [proc.returncode for proc in procs]
+    if any(codes):
+        tails = "\n".join(f"--- process {i} (exit {c}):\n{o[-3000:]}" for i, (c, o) in
+                          enumerate(zip(codes, outputs, strict=True)))
+        pytest.fail(f"multi-process run failed:\n{tails}")
+    return outputs

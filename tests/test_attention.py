@@ -60,8 +60,8 @@ def _reference(cfg, p, x, valid, *, attn_mask=None, segment_ids=None) -> np.ndar
         kk = np.asarray(apply_rope(jnp.asarray(kk, jnp.float32), pos), np.float64)
     group = np.arange(h) // (h // g)  # query head -> its key/value head
     kk, vv = kk[:, :, group], vv[:, :, group]  # [N, L, H, K]
-    s = np.einsum("nqhk,nshk->nhqs", q, kk) / math.sqrt(k)
-    mask = np.broadcast_to(np.asarray(valid)[:, None, :], (n, length, length))  # [N, Q, S]
+    s = np.einsum("nqhk,nmhk->nhqm", q, kk) / math.sqrt(k)
+    mask = np.broadcast_to(np.asarray(valid)[:, None, :], (n, length, length))  # [N, Q, M]
     if cfg.causal:
         mask = mask & np.tril(np.ones((length, length), bool))[None]
     if attn_mask is not None:
@@ -72,7 +72,7 @@ def _reference(cfg, p, x, valid, *, attn_mask=None, segment_ids=None) -> np.ndar
     m = np.max(s, axis=-1, keepdims=True)
     e = np.where(mask[:, None], np.exp(s - np.where(np.isfinite(m), m, 0.0)), 0.0)
     w = e / np.maximum(e.sum(-1, keepdims=True), 1e-300)
-    ctx = np.einsum("nhqs,nshk->nqhk", w, vv)
+    ctx = np.einsum("nhqm,nmhk->nqhk", w, vv)
     return np.einsum("nqhk,hkd->nqd", ctx, p["out"]["kernel"]) + p["out"]["bias"]
 
 

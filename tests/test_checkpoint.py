@@ -91,7 +91,9 @@ def test_keep_best_keeps_the_best_and_the_newest(tiny, tmp_path):
     kept = sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit())
     assert kept == sorted({best, 10})
     assert summary["test_checkpoint_step"] == best
-    assert load_for_inference(tmp_path)[0].checkpoint.keep_best
+    from train.inference import TrainedRun
+
+    assert TrainedRun.load(tmp_path).step == best  # evaluate/predict default to the best, not the newest
 
 
 def test_shape_mismatch_names_the_parameter(trained_plan, tiny, tmp_path):

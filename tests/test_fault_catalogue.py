@@ -1,4 +1,4 @@
-"""The fault catalogue (README, "Faults and what a run does"): each fault, the exit code and the one line the
+"""The fault catalogue (docs/training.md, "Faults and what a run does"): each fault, the exit code and the one line the
 command prints, no traceback, and nothing lost — metrics steps each recorded once, older checkpoints
 intact, and a run that continues ends with parameters bitwise equal to an uninterrupted run.
 

@@ -19,31 +19,14 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from conftest import PassThrough
+from conftest import Faulty, signal_at
 
 from train import run
 from train.checkpoints.store import latest_step, load_for_inference
-from train.data.batches import BatchSource
 from train.loop import trainer as loop
 from train.workdir.records import read_event_records, read_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-class Faulty(PassThrough):
-    """A batch source that passes batches through, with a fault at one step."""
-
-    def __init__(self, source: BatchSource, step: int, fault, examples: bool = True):
-        super().__init__(source)
-        self.step, self.fault, self.examples = step, fault, examples
-
-    def batch(self, step: int):
-        out = self.source.batch(step)
-        return self.fault(out) if step == self.step else out
-
-    def example_batch(self, step: int):
-        out = self.source.example_batch(step)
-        return self.fault(out) if step == self.step and self.examples else out
 
 
 def out_of_vocabulary(batch):
@@ -105,16 +88,6 @@ def test_huge_learning_rate_halts_naming_a_block_sublayer(reference_run, tiny, t
     newest = latest_step(tmp_path / "run")
     assert newest is not None and newest >= 10
     assert finite(load_for_inference(tmp_path / "run")[1])
-
-
-def signal_at(step: int):
-    """A source whose batch of `step` is requested while a real SIGTERM arrives at this process."""
-
-    def send(batch):
-        os.kill(os.getpid(), signal.SIGTERM)  # arrives while step `step + 1` is being prepared
-        return batch
-
-    return lambda source: Faulty(source, step, send, examples=False)
 
 
 @pytest.mark.slow

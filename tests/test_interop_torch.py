@@ -174,9 +174,22 @@ def test_report_order_lookup_and_module_left_as_it_was():
     assert set(names[8:]) == {f"grad {k}" for k in layer.state_dict()}
     first_nonzero = next(c for c in report.checks if c.value > 0)
     assert report.first_mismatch(tol=0.0) == first_nonzero
-    worst = report.worst()
-    assert worst.ratio == max(c.value / c.tol for c in report.checks)
     assert all(c.name in str(report) for c in report.checks)
+
+
+def test_a_report_names_its_worst_check_and_its_first_mismatch():
+    from jaxblock.interop.torch.parity import Check, ParityReport
+
+    checks = (Check("norm1", "forward", 2e-6, 1e-5), Check("after_attn", "forward", 3e-5, 1e-5),
+              Check("grad input", "grad", 5e-4, 1e-4), Check("grad w", "grad", 1e-7, 1e-4))
+    report = ParityReport("hand-made", checks)
+    assert not report.ok
+    assert report.worst().name == "grad input"  # 5x its tolerance, against after_attn's 3x
+    assert report.first_mismatch().name == "after_attn"  # the first over its tolerance, in execution order
+    assert report.first_mismatch(tol=1e-3) is None and report.first_mismatch(tol=1e-6).name == "norm1"
+    with_nan = ParityReport("nan", (*checks, Check("output", "forward", float("nan"), 1e-5)))
+    assert with_nan.worst().name == "output"  # a non-finite value is worse than any finite one
+    assert "first mismatch: after_attn" in str(report)
 
 
 # --- padded positions ---------------------------------------------------------------------------

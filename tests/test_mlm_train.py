@@ -22,6 +22,7 @@ from typing import Any
 import jax
 import numpy as np
 import pytest
+from conftest import free_port, run_processes
 
 from train.checkpoints.store import load_for_inference
 from train.config import Config, ConfigError, config_from_dict, load_config
@@ -222,7 +223,6 @@ def train_losses(workdir: Path) -> dict[int, float]:
 def test_two_processes_reading_disjoint_shares_log_the_losses_of_one_process(tmp_path: Path) -> None:
     """2 processes x 4 devices, each streaming its half of the shards, then resuming from their checkpoint
     (each process's stream position was gathered into it), log the per-step losses of 1 process x 8."""
-    from test_multihost import free_port, run_processes
 
     cache = tmp_path / "cache"
     args = ("train.log_every=1", "train.eval_every=100", "checkpoint.every=4", "optim.schedule=constant",

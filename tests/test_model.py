@@ -72,7 +72,7 @@ def _logits(cfg, params, tokens=TOKENS, valid=VALID, **kw) -> np.ndarray:
     return np.asarray(Classifier(cfg).apply({"params": params}, tokens, valid, **kw))
 
 
-# --- the stack: K blocks and the final norm by placement -----------------------------------------
+# --- the stack: B blocks and the final norm by placement -----------------------------------------
 
 
 def test_stack_is_its_blocks_in_order_then_the_final_norm():
@@ -116,7 +116,7 @@ def test_scan_matches_the_unrolled_stack_and_the_converters_round_trip():
     params = _stack_params(cfg)
     stacked = stack_layer_params(params)
     assert set(stacked) == {"layers", "final_norm"}
-    assert stacked["layers"]["self_attn"]["query"]["kernel"].shape == (3, D, 2, 4)  # [K, D, H, K]
+    assert stacked["layers"]["self_attn"]["query"]["kernel"].shape == (3, D, 2, 4)  # [B, D, H, K]
     # The scanned module's own tree has the same structure, and its leading axis is named 'layers'.
     boxed = _stack_params(scan_cfg, boxed=True)
     assert jax.tree.structure(unbox(boxed)) == jax.tree.structure(stacked)
@@ -149,7 +149,7 @@ def test_scanned_layers_draw_their_own_dropout_masks():
     _, state = EncoderStack(cfg).apply(
         {"params": params}, _x(), VALID, train=True, rngs={"dropout": jax.random.key(0)}, mutable=["intermediates"]
     )
-    dropped = np.asarray(state["intermediates"]["layers"]["attn_branch"][0]) == 0.0  # [K, N, L, D]
+    dropped = np.asarray(state["intermediates"]["layers"]["attn_branch"][0]) == 0.0  # [B, N, L, D]
     assert 0.3 < dropped.mean() < 0.7
     assert np.any(dropped[0] != dropped[1]) and np.any(dropped[1] != dropped[2])  # not one mask reused
 

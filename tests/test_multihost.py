@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -15,18 +14,12 @@ import jax
 import multihost_driver as driver
 import numpy as np
 import pytest
+from conftest import PROCESS_TIMEOUT, free_port, run_processes
 
 from train.checkpoints.store import Checkpoints
 
 ROOT = Path(__file__).resolve().parent.parent
 DRIVER = Path(driver.__file__).resolve()
-TIMEOUT = 600  # seconds for a whole multi-process run on a loaded 2-core machine
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def child_env(devices: int) -> dict[str, str]:
@@ -34,27 +27,6 @@ def child_env(devices: int) -> dict[str, str]:
     env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
                PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep))
     return env
-
-
-def run_processes(commands: list[list[str]], env: dict[str, str], cwd: Path) -> list[str]:
-    """Start every command at once (they rendezvous), wait for all; on any failure show each output."""
-    procs = [subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for cmd in commands]
-    outputs = []
-    try:
-        for proc in procs:
-            out, _ = proc.communicate(timeout=TIMEOUT)
-            outputs.append(out)
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-    codes = [proc.returncode for proc in procs]
-    if any(codes):
-        tails = "\n".join(f"--- process {i} (exit {c}):\n{o[-3000:]}" for i, (c, o) in
-                          enumerate(zip(codes, outputs, strict=True)))
-        pytest.fail(f"multi-process run failed:\n{tails}")
-    return outputs
 
 
 @pytest.mark.slow
@@ -144,7 +116,7 @@ def test_two_process_fsdp_halt_names_the_sublayer_and_saves_nothing_non_finite(t
     procs = [subprocess.Popen([*cmd, f"parallel.process_id={i}"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for i in range(2)]
     try:
-        outs = [p.communicate(timeout=TIMEOUT)[0] for p in procs]
+        outs = [p.communicate(timeout=PROCESS_TIMEOUT)[0] for p in procs]
     finally:
         for p in procs:
             if p.poll() is None:

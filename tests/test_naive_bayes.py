@@ -17,15 +17,18 @@ def test_words_that_decide_the_label_give_perfect_accuracy(tmp_path: Path) -> No
     rng = np.random.default_rng(0)
     filler = ["the", "a", "film", "plot", "actor", "scene", "and", "was"]
     rows = []
-    for i in range(300):
-        cue = ["great", "superb"] if i % 2 else ["awful", "dull"]
+    for i in range(300):  # two positive rows to each negative one, so the majority class is 'pos'
+        cue = ["great", "superb"] if i % 3 else ["awful", "dull"]
         words = [*rng.choice(filler, 6), rng.choice(cue)]
-        rows.append(f"{' '.join(rng.permutation(words))},{'pos' if i % 2 else 'neg'}")
+        rows.append(f"{' '.join(rng.permutation(words))},{'pos' if i % 3 else 'neg'}")
     path = tmp_path / "cues.csv"
     path.write_text("text,label\n" + "\n".join(rows) + "\n")
-    acc = naive_bayes_accuracy(load_dataset(DataConfig(source="file", path=str(path))))
+    ds = load_dataset(DataConfig(source="file", path=str(path)))
+    acc = naive_bayes_accuracy(ds)
     assert acc["test_accuracy"] == 1.0 and acc["validation_accuracy"] == 1.0
-    assert 0.3 < acc["test_majority"] < 0.7
+    pos = ds.label_names.index("pos")
+    assert np.mean(ds.train.labels == pos) > 0.6
+    assert acc["test_majority"] == pytest.approx(np.mean(ds.test.labels == pos))  # the rate of 'pos' in test
 
 
 def test_cli_on_the_synthetic_task_stays_near_chance(capsys: pytest.CaptureFixture[str]) -> None:

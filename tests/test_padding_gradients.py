@@ -1,12 +1,12 @@
 """Non-finite or out-of-range values at padded positions never reach parameter gradients.
 
-Padded positions may hold anything (README, mask convention). The forward pass already keeps them out of
+Padded positions may hold anything (docs/model.md, the mask convention). The forward pass already keeps them out of
 real outputs; these tests check the backward pass too: with NaN or +-Inf values in padded rows of x,
 or ids outside [0, V) at padded positions, every gradient array is finite and bitwise equal to the
 gradients with clean padding, and real outputs are unchanged. Each attention path that runs on a CPU
 (`xla`, `unfused`, `chunked`) and packed rows (segment_ids) are covered.
 
-Shapes: N=2 rows, L=8 tokens, D=8, H=2, F=16, K=2 blocks, V=11 ids, C=3 classes, chunk 4 (two key blocks).
+Shapes: N=2 rows, L=8 tokens, D=8, H=2, F=16, B=2 blocks, V=11 ids, C=3 classes, chunk 4 (two key blocks).
 Row 0 has 5 real tokens (3 padded), row 1 has 8.
 """
 

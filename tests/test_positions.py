@@ -35,7 +35,7 @@ def _scores(q, k, positions) -> np.ndarray:
     pos = jnp.asarray(positions)[None, :]  # [N=1, L]
     rq = apply_rope(jnp.broadcast_to(q, (1, length, 1, q.shape[-1])), pos)  # [1, L, 1, K]
     rk = apply_rope(jnp.broadcast_to(k, (1, length, 1, k.shape[-1])), pos)
-    return np.asarray(jnp.einsum("QK,SK->QS", rq[0, :, 0], rk[0, :, 0]))
+    return np.asarray(jnp.einsum("QK,MK->QM", rq[0, :, 0], rk[0, :, 0]))
 
 
 def test_rope_scores_depend_only_on_the_relative_offset():

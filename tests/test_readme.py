@@ -1,31 +1,64 @@
-"""The README's tour: its usage example runs and shows what it says; its equations are the code's."""
+"""The README's tour: its two commands are CI's, its usage example runs and shows what it says, its index
+reaches every docs/ page, and the equations and tables the pages repeat are the code's."""
 
 import contextlib
 import io
 import re
+import shlex
 from pathlib import Path
 
 import numpy as np
 
 import jaxblock.block
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+DOCS = ROOT / "docs"
+# Index entries whose pages other branches write; each must exist once those branches land.
+PAGES_WRITTEN_ELSEWHERE = {"families.md", "pretrained.md"}
 
 
-def _tour() -> str:
-    text = README.read_text(encoding="utf-8")
-    assert "\n## Tour\n" in text, "README.md has no '## Tour' section"
-    return text.split("\n## Tour\n", 1)[1].split("\n## ", 1)[0]
+def _section(text: str, heading: str) -> str:
+    assert f"\n{heading}\n" in text, f"no '{heading}' section"
+    return text.split(f"\n{heading}\n", 1)[1].split("\n## ", 1)[0]
 
 
-def test_tour_usage_example_runs_and_padding_is_invisible():
-    blocks = re.findall(r"```python\n(.*?)```", _tour(), flags=re.DOTALL)
-    assert len(blocks) == 1, "the tour should hold exactly one python example"
+def test_the_readme_is_a_tour():
+    lines = README.read_text(encoding="utf-8").splitlines()
+    assert len(lines) <= 200, f"README.md has {len(lines)} lines: move the detail to a docs/ page"
+
+
+def _ci_commands() -> list[str]:
+    """The commands of .ci/run that set up the environment and run the tests, with quiet flags dropped."""
+    commands = []
+    for line in (ROOT / ".ci/run").read_text(encoding="utf-8").splitlines():
+        words = shlex.split(line, comments=True)
+        if words[:1] == ["python3"] or words[:2] == [".venv/bin/python", "-m"] or words[1:3] == ["install", "-q"]:
+            commands.append(" ".join(w for w in words if w != "-q"))
+    return commands
+
+
+def test_the_first_two_readme_commands_install_and_test_as_ci_does():
+    block = re.search(r"```bash\n(.*?)```", _section(README.read_text(encoding="utf-8"), "## Set up and run"),
+                      flags=re.DOTALL)
+    assert block is not None, "README.md's set-up section has no bash block"
+    first, second = [line for line in block.group(1).splitlines() if line and not line.startswith("#")][:2]
+    assert first.split(" && ")[-1] == ".venv/bin/python -m train --config configs/sentiment.yaml --workdir " \
+        "runs/sentiment", first
+    ci = _ci_commands()
+    ci = [c for c in ci if "--upgrade pip" not in c]  # CI's own pip upgrade is not a user step
+    assert [" ".join(shlex.split(part)) for part in second.split(" && ")] == ci, (second, ci)
+
+
+def test_the_usage_example_runs_and_padding_is_invisible():
+    blocks = re.findall(r"```python\n(.*?)```", _section(README.read_text(encoding="utf-8"), "## Usage"),
+                        flags=re.DOTALL)
+    assert len(blocks) == 1, "the usage section should hold exactly one python example"
     assert len(blocks[0].strip().splitlines()) <= 16
     namespace: dict = {}
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        exec(compile(blocks[0], "README.md#tour", "exec"), namespace)
+        exec(compile(blocks[0], "README.md#usage", "exec"), namespace)
     logits = np.asarray(namespace["logits"])
     assert logits.shape == (2, 2) and logits.dtype == np.float32 and np.all(np.isfinite(logits))
     np.testing.assert_allclose(np.asarray(namespace["repadded"]), logits, atol=1e-6)
@@ -33,8 +66,21 @@ def test_tour_usage_example_runs_and_padding_is_invisible():
     assert out.getvalue().startswith("(2, 2) 0.0")  # what the example's comment promises
 
 
-def test_tour_equations_are_the_ones_in_the_code():
-    tour = _tour()
+def test_the_index_links_every_docs_page_and_each_link_resolves():
+    text = README.read_text(encoding="utf-8")
+    index = _section(text, "## Documentation")
+    linked = re.findall(r"^\| \[[^]]+\]\(docs/([^)#]+)\) \| \S", index, flags=re.MULTILINE)
+    assert len(linked) == len(set(linked)) >= 12, linked
+    pages = {p.name for p in DOCS.glob("*.md")}
+    assert pages <= set(linked), f"docs pages missing from the README's index: {sorted(pages - set(linked))}"
+    for name in set(linked) - PAGES_WRITTEN_ELSEWHERE:
+        assert (DOCS / name).is_file(), f"the index links docs/{name}, which does not exist"
+    for target in re.findall(r"\]\((docs/[^)#]+)", text):  # every link in the README, index or not
+        assert (ROOT / target).exists() or Path(target).name in PAGES_WRITTEN_ELSEWHERE, target
+
+
+def test_the_model_page_equations_are_the_ones_in_the_code():
+    page = (DOCS / "model.md").read_text(encoding="utf-8")
     doc = jaxblock.block.__doc__ or ""
     for eq in (
         "U = X + Drop(MHA(LN1(X)))",
@@ -42,26 +88,32 @@ def test_tour_equations_are_the_ones_in_the_code():
         "U = LN1(X + Drop(MHA(X)))",
         "Y = LN2(U + Drop(FFN(U)))",
     ):
-        assert eq in tour and eq in doc, eq
-    assert "True = a real token" in tour and "True = ignore" in tour
+        assert eq in page and eq in doc, eq
+    assert "True = a real token" in page and "True = ignore" in page
 
 
-def test_readme_config_table_is_the_schema():
-    """The README's key table is exactly `python -m train schema` (regenerate it when a key changes)."""
+def test_the_config_page_table_is_the_schema():
+    """docs/config.md's key table is exactly `python -m train schema` (regenerate it when a key changes)."""
     from train.config import schema_table
 
-    text = README.read_text(encoding="utf-8")
-    section = text.split("Generated by `python -m train schema`:\n\n", 1)[1].split("\n\n## ", 1)[0]
-    assert section.strip() == schema_table().strip()
+    text = (DOCS / "config.md").read_text(encoding="utf-8")
+    assert "Generated by `python -m train schema`:\n\n" in text
+    table = text.split("Generated by `python -m train schema`:\n\n", 1)[1].split("\n\n", 1)[0]
+    assert table.strip() == schema_table().strip()
 
 
-CONTRACTS = README.parent / "docs" / "contracts.md"
+def test_the_study_table_in_the_diagnostics_page_is_the_generated_one():
+    """The gradient-norm table quoted in docs/diagnostics.md is the one `study-ln` wrote to docs/study_ln.md."""
+    quoted = (DOCS / "diagnostics.md").read_text(encoding="utf-8")
+    table = re.search(r"^\| depth \| Pre-LN first .*?\n\n", quoted, flags=re.MULTILINE | re.DOTALL)
+    assert table is not None
+    assert table.group(0).strip() in (DOCS / "study_ln.md").read_text(encoding="utf-8")
 
 
 def test_the_contracts_page_states_the_recorded_sites_and_a_collision_free_alphabet():
     from jaxblock.block import RECORDED_SITES
 
-    text = CONTRACTS.read_text(encoding="utf-8")
+    text = (DOCS / "contracts.md").read_text(encoding="utf-8")
     for placement, label in (("pre", "Pre-LN"), ("post", "Post-LN")):
         row = re.search(rf"^\| {label} \| `([^|`]*)` \|", text, flags=re.MULTILINE)
         assert row is not None, f"docs/contracts.md has no {label} row of recorded intermediates"
@@ -72,9 +124,43 @@ def test_the_contracts_page_states_the_recorded_sites_and_a_collision_free_alpha
 
 
 def test_the_library_points_to_nothing_outside_the_repository():
-    root = README.parent
-    outside = ("DESIGN" + ".md", "../" + "shared")  # spelt apart so this file does not match itself
-    code = [root.joinpath(d).rglob("*.py") for d in ("jaxblock", "train", "bench", "tests")]
-    for path in [*(p for paths in code for p in paths), *root.joinpath("docs").glob("*.md"), root / "README.md"]:
+    outside = ("DESIGN" + ".md", "BACKGROUND" + ".md", "BACKGROUND" + ":", "../" + "shared")  # spelt apart
+    code = [ROOT.joinpath(d).rglob("*.py") for d in ("jaxblock", "train", "bench", "tests")]
+    for path in [*(p for paths in code for p in paths), *DOCS.glob("*.md"), README]:
         text = path.read_text(encoding="utf-8")
         assert not any(name in text for name in outside), path
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces as hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_every_link_between_the_pages_reaches_its_page_and_heading():
+    pages = [README, *DOCS.glob("*.md")]
+    links = 0
+    for page in pages:
+        for target, anchor in re.findall(r"\]\(([\w./-]*\.md)(?:#([\w-]+))?\)", page.read_text(encoding="utf-8")):
+            path = (page.parent / target).resolve()
+            if path.name in PAGES_WRITTEN_ELSEWHERE and not path.exists():
+                continue
+            assert path.is_file(), f"{page.name} links {target}, which does not exist"
+            if anchor:
+                headings = re.findall(r"^#+ (.+)$", path.read_text(encoding="utf-8"), flags=re.MULTILINE)
+                assert anchor in {_anchor(h) for h in headings}, f"{page.name} links {target}#{anchor}: no such heading"
+            links += 1
+    assert links >= 20, links
+
+
+def test_every_repository_path_the_pages_name_exists():
+    """A page naming `train/loop/step.py` or `tests/test_faults.py` names a file that is there (paths go
+    stale when modules move)."""
+    named = 0
+    for page in [README, *DOCS.glob("*.md")]:
+        text = page.read_text(encoding="utf-8")
+        for path in re.findall(r"(?<![\w/.~-])((?:jaxblock|train|bench|tests|configs|docs)/[\w/.-]*[\w/])", text):
+            if path == "train/validation/test" or Path(path).name in PAGES_WRITTEN_ELSEWHERE:
+                continue  # the split names, not a path; pages other branches write
+            assert (ROOT / path).exists(), f"{page.name} names {path}, which does not exist"
+            named += 1
+    assert named >= 40, named

@@ -236,7 +236,7 @@ class DiagnosticsConfig(_Section):
 
 
 class ModelConfig(EncoderConfig):
-    """jaxblock.EncoderConfig plus where the encoder's weights start (train/init_from.py)."""
+    """jaxblock.EncoderConfig plus where the encoder's weights start (train/init_from/)."""
 
     init_from: str | None = Field(
         None,

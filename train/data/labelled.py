@@ -5,11 +5,11 @@ Batch dict (the contract every step and diagnostic takes): tokens int32[N, L], v
 (True = real token, real tokens first), labels int32[N] (label < 0 = a padding example that the loss
 ignores); packed rows add segment_ids int32[N, L] and labels become int32[N, S].
 
-The order of training examples is a pure function of (seed, step): epoch e visits the split in the
-permutation drawn from (seed, e), and step t takes global positions [t*B, (t+1)*B) of that endless
-stream. A resumed run therefore sees exactly the batches it would have seen, with no iterator state to
-checkpoint (train/data/batches.py wraps these functions as the loop's batch source), and each of P
-processes takes its contiguous share of the same global batch.
+The order of training examples is a pure function of (seed, step): epoch e visits the split in the permutation
+drawn from (seed, e), and with a global batch of n = train.batch_size rows, step t takes global positions
+[t*n, (t+1)*n) of that endless stream. A resumed run therefore sees exactly the batches it would have seen,
+with no iterator state to checkpoint (train/data/batches.py wraps these functions as the loop's batch source),
+and each of W processes takes its contiguous share of the same global batch.
 """
 
 from __future__ import annotations
@@ -136,7 +136,7 @@ def _encode_split(tok: Tokenizer, texts: list[str], labels: np.ndarray, max_len:
 def load_dataset(cfg: DataConfig, tokenizer_dir: Path | None = None, tokenizer: Tokenizer | None = None) -> Dataset:
     """Load `cfg.source`, split it (seeded by cfg.split_seed), tokenize and truncate each split.
 
-    `tokenizer` (a pretrained checkpoint's, see train/init_from.py) is used as given; else if
+    `tokenizer` (a pretrained checkpoint's, see train/init_from/) is used as given; else if
     `tokenizer_dir` holds a saved tokenizer it is loaded (resume, evaluate); otherwise one is built
     (BPE is trained on the training split only). Nothing is written: the caller saves the tokenizer.
     """
@@ -196,7 +196,8 @@ def _epoch_order(seed: int, epoch: int, count: int) -> np.ndarray:
 
 
 def train_indices(count: int, *, seed: int, step: int, batch_size: int) -> np.ndarray:
-    """Example indices of the global batch at `step`: positions [step*B, (step+1)*B) of the epoch stream."""
+    """Example indices of the global batch at `step`: positions [step*n, (step+1)*n) of the epoch stream,
+    n = batch_size."""
     if count == 0:
         raise DataError("the training split is empty: add examples or change data.split")
     positions = step * batch_size + np.arange(batch_size)
@@ -308,7 +309,7 @@ def packed_batch(
     """A training batch of packed rows with a row count from a few fixed sizes (so a run compiles a few
     programs, as with length buckets): the smallest of batch_size/8, /4, /2, /1 (whole, a multiple of
     `multiple`) that holds the packing, topped up with empty rows (labels -1, no valid tokens).
-    Returns tokens, valid_tokens, segment_ids [R, row_len] and labels int32[R, S]."""
+    Returns tokens, valid_tokens, segment_ids [N, row_len] and labels int32[N, S]."""
     packed = pack_examples(rows, labels, row_len=row_len, max_segments=max_segments, pad_id=pad_id)
     packed.pop("example_index")
     need = len(packed["labels"])

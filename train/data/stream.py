@@ -1,18 +1,18 @@
 """Streaming, sharded, resumable batches of packed rows from text corpora too large for memory (Grain).
 
-Shape letters: N rows in this process's batch, L row length, K logical shards, P processes.
+Shape letters: N rows in this process's batch, L row length, Z logical shards, W processes.
 
 A corpus is one or many files: plain text (one example per line), JSONL (one object per line with a text
 field) or ArrayRecord (one UTF-8 example per record). Files are read lazily in blocks: a text file is cut
 into byte ranges of about `block_bytes` that end at a newline (found by one seek per block, so opening a
 multi-GB corpus reads almost nothing and keeps no per-line index); an ArrayRecord file into runs of
-records. Blocks are dealt round-robin to K logical shards, fixed by the config and independent of P.
+records. Blocks are dealt round-robin to Z logical shards, fixed by the config and independent of W.
 
 Each shard is its own Grain pipeline: its blocks in a seeded global order, reshuffled every epoch and
 repeated forever -> tokenized (a block at a time) -> examples shuffled in a window of `window` ->
-first-fit packed into rows of L tokens -> N/K rows per step. Process p of P runs shards
-[p*K/P, (p+1)*K/P) and concatenates their rows, so it reads only its share, and the global batch
-(every process's rows in process order) is the same for any P that divides K: 1 process x 8 devices
+first-fit packed into rows of L tokens -> N/Z rows per step. Process p of W runs shards
+[p*Z/W, (p+1)*Z/W) and concatenates their rows, so it reads only its share, and the global batch
+(every process's rows in process order) is the same for any W that divides Z: 1 process x 8 devices
 and 2 processes x 4 see the same global rows, and the MLM corruption keyed by global row matches too.
 
 State: `BatchStream.get_state()` is a JSON-able dict (Grain's iterator state plus the stream's identity);
@@ -107,7 +107,7 @@ def _format(path: Path, fmt: str) -> str:
 
 
 def shard_range(num_shards: int, process_index: int, process_count: int) -> range:
-    """The logical shards process p of P reads: a contiguous run of K/P."""
+    """The logical shards process p of W reads: a contiguous run of Z/W."""
     if process_count < 1 or not 0 <= process_index < process_count:
         raise DataError(f"process {process_index} of {process_count} is not a valid process: check "
                         "parallel.process_id and parallel.num_processes")
