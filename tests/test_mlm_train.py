@@ -23,14 +23,14 @@ import jax
 import numpy as np
 import pytest
 
-from train.checkpoints.store import load_for_inference
+from train.checkpoints.restore import restore_run
 from train.config import Config, ConfigError, config_from_dict, load_config
 from train.data.batches import StreamBatches
 from train.data.masking import MaskingSpec, mask_batch
 from train.data.pretrain import load_corpus
 from train.devices.runners import make_runner
 from train.loop.state import abstract_init, create_state, init_params
-from train.tasks import MaskedLMTask
+from train.tasks import MaskedLMTask, task_for
 from train.workdir.records import read_jsonl
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -145,11 +145,11 @@ def test_stream_source_restores_its_position_and_evaluates_the_same_rows(tmp_pat
     assert 0 < a.unigram_accuracy() < 0.3
 
 
-def test_config_names_the_task_and_source_mismatch() -> None:
+def test_the_task_names_a_task_and_source_mismatch() -> None:
     with pytest.raises(ConfigError, match="task=mlm"):
-        config_from_dict({"task": "mlm", "data": {"source": "rotten_tomatoes"}})
+        task_for(config_from_dict({"task": "mlm", "data": {"source": "rotten_tomatoes"}}))
     with pytest.raises(ConfigError, match="set task=mlm"):
-        config_from_dict({"data": {"source": "generated_corpus"}})
+        task_for(config_from_dict({"data": {"source": "generated_corpus"}}))
     with pytest.raises(ConfigError, match=r"data\.paths"):
         config_from_dict({"task": "mlm", "data": {"source": "corpus"}})
 
@@ -181,7 +181,7 @@ def test_pretraining_on_the_generated_corpus_beats_the_unigram_baseline(tmp_path
     val = [r for r in records if r["split"] == "val"]
     assert train[-1]["loss"] < train[0]["loss"] - 1.0
     assert val[-1]["loss"] < val[0]["loss"]
-    assert 0.02 < baseline < 0.2 and val[-1]["accuracy"] > 2.5 * baseline, (baseline, val)
+    assert 0.02 < baseline < 0.2 and val[-1]["masked_accuracy"] > 2.5 * baseline, (baseline, val)
     assert "unigram baseline" in done.stdout + done.stderr
 
 
@@ -206,8 +206,8 @@ def test_kill_9_mid_epoch_then_resume_is_bitwise_identical(tmp_path: Path) -> No
         proc.wait()
     done = subprocess.run(cli(cut, cache, *args), env=env(), capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
-    for x, y in zip(jax.tree.leaves(load_for_inference(tmp_path / "whole")[1]),
-                    jax.tree.leaves(load_for_inference(cut)[1]), strict=True):
+    for x, y in zip(jax.tree.leaves(restore_run(tmp_path / "whole").params),
+                    jax.tree.leaves(restore_run(cut).params), strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     steps = [(r["split"], r["step"]) for r in read_jsonl(cut / "metrics.jsonl")]
     assert steps == [(r["split"], r["step"]) for r in read_jsonl(tmp_path / "whole/metrics.jsonl")]

@@ -25,8 +25,7 @@ import threading
 from pathlib import Path
 from typing import Any, NoReturn
 
-USAGE_EXIT = 2
-HALT_EXIT = 1
+from train.errors import EXIT_CODES, ONE_LINE_ERRORS, USAGE_EXIT, DataError, DiskFullError
 
 _EPILOG = """\
 commands:
@@ -143,8 +142,6 @@ def cmd_evaluate(argv: list[str], interrupts: Any = None) -> int:
 
 
 def _read_texts(args: argparse.Namespace) -> list[str]:
-    from train.data.datasets import DataError
-
     texts: list[str] = []
     for text in args.texts:
         texts += sys.stdin.read().splitlines() if text == "-" else [text]
@@ -257,14 +254,7 @@ def _main(argv: list[str], whole_process: bool) -> int:
     else:
         command = cmd_train
     _quiet_libraries()
-    from train.checkpoints.store import CheckpointError
-    from train.config import ConfigError
-    from train.data.datasets import DataError
     from train.interrupts import run_interruptible
-    from train.loop.trainer import HaltError
-    from train.run import WorkdirError
-    from train.workdir.lock import WorkdirBusyError
-    from train.workdir.records import DiskFullError
 
     def run(interrupts: Any) -> int:
         try:
@@ -273,7 +263,7 @@ def _main(argv: list[str], whole_process: bool) -> int:
             return code
         except BrokenPipeError:
             return _stdout_closed()
-        except (ConfigError, DataError, CheckpointError, WorkdirError, WorkdirBusyError, DiskFullError) as err:
+        except ONE_LINE_ERRORS as err:
             if isinstance(err, DiskFullError):
                 # Libraries flush their files on the full disk once more at exit (tensorboardX's atexit
                 # hook) and Python prints each failure as "Exception ignored in ...": the line below says it.
@@ -281,10 +271,7 @@ def _main(argv: list[str], whole_process: bool) -> int:
             print(one_line(f"error: {err}"), file=sys.stderr)
             if isinstance(err, DiskFullError) and whole_process:
                 _silence_exit_noise()
-            return USAGE_EXIT
-        except HaltError as err:
-            print(one_line(f"error: {err}"), file=sys.stderr)
-            return HALT_EXIT
+            return next(code for kind, code in EXIT_CODES.items() if isinstance(err, kind))
 
     return run_interruptible(run)
 

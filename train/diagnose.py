@@ -24,14 +24,9 @@ from jaxblock.masks import lengths_to_valid_tokens
 from jaxblock.model import Classifier
 from train.config import Config, ConfigError, load_config
 from train.data.datasets import DataError
+from train.errors import FAILED_EXIT, USAGE_EXIT, UsageError
 from train.loop.state import init_params
 from train.tasks import CLASSIFICATION
-
-USAGE_EXIT, FAILED_EXIT = 2, 1
-
-
-class UsageError(ValueError):
-    """Bad command-line input: one line naming the problem and the fix."""
 
 
 class Parser(argparse.ArgumentParser):
@@ -71,16 +66,16 @@ def main(argv: list[str]) -> int:
 
 def _load(args: argparse.Namespace) -> tuple[Config, Any, Path | None]:
     if args.workdir:
+        from train.checkpoints.restore import restore_run
         from train.checkpoints.store import TOKENIZER_DIR, CheckpointError
-        from train.inference import restore_for_inference
 
         try:  # as evaluate does: a damaged checkpoint is named and the newest that restores is used
-            config, params, _, _, notes = restore_for_inference(Path(args.workdir))
+            run = restore_run(Path(args.workdir))
         except CheckpointError as err:
             raise UsageError(str(err)) from None
-        for note in notes:
+        for note in run.notes:
             print(f"note: {note}", file=sys.stderr)
-        return config, params, Path(args.workdir) / TOKENIZER_DIR
+        return run.config, run.params, Path(args.workdir) / TOKENIZER_DIR
     if not args.config:
         raise UsageError("diagnose needs --config C (a fresh model) or --workdir W (a trained run)")
     config = load_config(args.config, args.overrides)

@@ -9,7 +9,6 @@ never writes a (split, step) that is already there.
 
 from __future__ import annotations
 
-import errno
 import json
 import math
 import os
@@ -24,26 +23,16 @@ from typing import Any
 
 from tqdm import tqdm
 
+from train.errors import NO_SPACE_ERRNOS, DiskFullError
+
 JSONL_FILE = "metrics.jsonl"
 TB_DIR = "tb"
 CURVES_FILE = "curves.png"
 
 
-# errno values that mean "no room to write": a full disk, a quota, a file-size limit (RLIMIT_FSIZE).
-_NO_SPACE = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
-
-
-class DiskFullError(OSError):
-    """No room to write a run file (exit code 2): one line naming the file and the fix. Whatever was being
-    written was rolled back, so rerunning the same command once there is space continues the run."""
-
-    def __str__(self) -> str:
-        return str(self.strerror)
-
-
 def no_space(err: OSError, path: Path | str) -> DiskFullError | None:
     """A DiskFullError for `err` when it means the disk (or quota, or file-size limit) is full, else None."""
-    if err.errno not in _NO_SPACE:
+    if err.errno not in NO_SPACE_ERRNOS:
         return None
     return DiskFullError(err.errno, f"disk full while writing {Path(path).name} in {Path(path).parent} "
                                     f"({os.strerror(err.errno or 0)}): free space and rerun the same command "
@@ -272,8 +261,8 @@ class Progress:
         self.bar.close()
 
 
-def plot_curves(workdir: Path) -> Path | None:
-    """Training and validation loss and accuracy by step, from metrics.jsonl, into curves.png."""
+def plot_curves(workdir: Path, metrics: tuple[str, ...] = ("loss", "accuracy")) -> Path | None:
+    """Training and validation curves of `metrics` by step, from metrics.jsonl, into curves.png."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -282,8 +271,8 @@ def plot_curves(workdir: Path) -> Path | None:
     records = read_jsonl(Path(workdir) / JSONL_FILE)
     if not records:
         return None
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for ax, name in zip(axes, ("loss", "accuracy"), strict=True):
+    fig, axes = plt.subplots(1, len(metrics), figsize=(5 * len(metrics), 4), squeeze=False)
+    for ax, name in zip(axes[0], metrics, strict=True):
         for split, style in (("train", "-"), ("val", "o-")):
             points = [(r["step"], r[name]) for r in records
                       if r["split"] == split and isinstance(r.get(name), float)]
