@@ -31,8 +31,9 @@ _EPILOG = """\
 commands:
   (none)     train: --config C --workdir W [overrides]; rerunning the same command resumes W from its
              latest complete checkpoint; --config may be omitted to continue with W's saved config
-  evaluate   --workdir W [--split validation|test|train ...] [--step S] [key=value ...]: accuracy and
-             loss; overrides fix what changed since training, e.g. data.path=/new/place/reviews.csv
+  evaluate   --workdir W [--split validation|test|train ...] [--step S] [key=value ...]: the task's
+             metrics (accuracy and loss for classification); overrides fix what changed since training,
+             e.g. data.path=/new/place/reviews.csv
   predict    --workdir W [--step S] [--json] (TEXT ... | - | --file F): label and probability per text;
              `-` reads standard input and --file a file, one text per line
   diagnose   the debugging-path checks on a config's model or a checkpoint (see diagnose --help)
@@ -130,14 +131,16 @@ def cmd_evaluate(argv: list[str], interrupts: Any = None) -> int:
     args = _evaluate_parser().parse_args([a for a in argv if a not in overrides])
     args.overrides = overrides
     from train.inference import TrainedRun
+    from train.tasks import metric_names
 
     trained = TrainedRun.load(args.workdir, args.step, overrides=args.overrides)
     for note in trained.notes:
         print(note, file=sys.stderr)
     for name in args.split:
         result = trained.evaluate(name)
-        print(f"{name}: accuracy {result['accuracy']:.4f} loss {result['loss']:.4f} "
-              f"({int(result[trained.task.count_name])} {trained.task.count_name}, checkpoint {trained.step})")
+        shown = " ".join(f"{metric} {result[metric]:.4f}" for metric in metric_names(trained.task))
+        print(f"{name}: {shown} ({int(result[trained.task.count_name])} {trained.task.count_name}, "
+              f"checkpoint {trained.step})")
     return 0
 
 
