@@ -76,8 +76,9 @@ class TrainedRun:
         """One prediction per text (each truncated to data.max_len tokens: `truncated` says so). An empty
         text is a DataError when `strict`, else a Prediction with `error` set (the others still run)."""
         if not self.task.predicts_labels:
-            raise DataError(f"the run in {self.workdir} is a task={self.task.name} run, which predicts no classes: "
-                            "fine-tune it for classification (model.init_from) and predict with that run")
+            raise DataError(f"the run in {self.workdir} is a task={self.task.name} run, which predicts no class "
+                            "labels: evaluate reports its metrics; to predict labels, fine-tune a classification run "
+                            "from it (model.init_from)")
         texts, max_len = list(texts), self.config.data.max_len
         lengths = [len(self.tokenizer.encode(t)) for t in texts]
         good = [i for i, n in enumerate(lengths) if n > 0]
