@@ -154,6 +154,15 @@ def test_the_task_names_a_task_and_source_mismatch() -> None:
         config_from_dict({"task": "mlm", "data": {"source": "corpus"}})
 
 
+def test_a_run_saved_when_masked_accuracy_was_called_accuracy_is_refused_with_the_new_name() -> None:
+    old = config_from_dict({"task": "mlm", "data": {"source": "generated_corpus"},
+                            "checkpoint": {"best_metric": "val_accuracy", "best_mode": "max"}})
+    with pytest.raises(ConfigError, match=r"^checkpoint\.best_metric=val_accuracy is not a metric of task=mlm \(runs "
+                                          r"saved before it was renamed call val_masked_accuracy val_accuracy\): set "
+                                          r"it to one of val_loss, val_masked_accuracy$"):
+        task_for(old)
+
+
 # --- the real command (slow) -----------------------------------------------------------------
 
 

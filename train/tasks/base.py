@@ -71,6 +71,7 @@ class Task(Protocol):
     # is the one progress lines, summaries and keep-best use unless checkpoint.best_metric names another.
     higher_is_better: Mapping[str, bool]
     main_metric: str
+    renamed_metrics: Mapping[str, str]  # old name -> new name, for the message refusing an old run's setting
     predicts_labels: bool  # whether `predict` gives class probabilities (the `predict` command)
 
     # --- the model and the objective ---
@@ -152,7 +153,8 @@ def check_ranking(task: Task, config: Config) -> None:
         return
     known = [f"val_{m}" for m in task.higher_is_better]
     if best not in known:
-        legacy = " (masked-token accuracy is now val_masked_accuracy)" if best == "val_accuracy" else ""
+        new = task.renamed_metrics.get(best.removeprefix("val_"))
+        legacy = f" (runs saved before it was renamed call val_{new} {best})" if new else ""
         raise ConfigError(f"checkpoint.best_metric={best} is not a metric of task={task.name}{legacy}: set it to "
                           f"one of {', '.join(known)}")
 

@@ -33,6 +33,7 @@ class ClassificationTask:
     pad_values: Mapping[str, int] = {"labels": -1, "segment_ids": -1}
     higher_is_better: Mapping[str, bool] = {"loss": False, "accuracy": True}
     main_metric = "accuracy"
+    renamed_metrics: Mapping[str, str] = {}
     predicts_labels = True
 
     @classmethod

@@ -40,9 +40,10 @@ class MaskedLMTask:
     count_name = "tokens"
     pad_values: Mapping[str, int] = {"mlm_targets": 0, "mlm_weights": 0, "segment_ids": -1}
     # Runs saved before the metric had its own name logged it as "accuracy"; their config names
-    # checkpoint.best_metric=val_accuracy and is refused with the new name (train/tasks/base.py).
+    # checkpoint.best_metric=val_accuracy, refused with the new name (train/tasks/base.py check_ranking).
     higher_is_better: Mapping[str, bool] = {"loss": False, "masked_accuracy": True}
     main_metric = "masked_accuracy"
+    renamed_metrics: Mapping[str, str] = {"accuracy": "masked_accuracy"}
     predicts_labels = False
 
     def __init__(self, *, rate: float = 0.15, tie_embeddings: bool = True, transform: bool = True,
