@@ -1,4 +1,4 @@
-"""The command line: `python -m train` (also installed as `jaxblock`).
+"""The command line: `python -m train`, run from the checkout (only the `jaxblock` library is installed).
 
     python -m train --config C --workdir W [key.path=value ...]   train (the same command resumes W)
     python -m train evaluate --workdir W                            validation and test accuracy
@@ -54,7 +54,7 @@ damaged checkpoint with no good one, a full disk (one line on stderr; nothing al
 
 
 def program() -> str:
-    """The name the user typed: `jaxblock` for the installed script, `python -m train` otherwise."""
+    """The name the user typed: `python -m train`, or the script's own name when a wrapper script runs `main`."""
     name = Path(sys.argv[0]).name if sys.argv and sys.argv[0] else ""
     return "python -m train" if name in ("", "__main__.py", "-c", "-m") or name.startswith("python") else name
 
