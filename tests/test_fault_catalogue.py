@@ -27,7 +27,7 @@ from train.__main__ import main
 from train.checkpoints.repair import DAMAGE_NOTE, committed_steps
 from train.checkpoints.restore import restore_run
 from train.checkpoints.store import latest_step
-from train.workdir.records import read_jsonl
+from train.workdir.metrics_log import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs/tiny.yaml")

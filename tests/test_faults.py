@@ -26,7 +26,7 @@ from train.checkpoints.restore import restore_run
 from train.checkpoints.store import latest_step
 from train.data.batches import BatchSource
 from train.loop import trainer as loop
-from train.workdir.records import read_event_records, read_jsonl
+from train.workdir.metrics_log import read_event_records, read_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
 

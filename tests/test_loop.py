@@ -27,7 +27,7 @@ from train.loop.step import loss_fn_for
 from train.loop.step import train_step as task_train_step
 from train.loop.summary import best_validation
 from train.tasks import CLASSIFICATION
-from train.workdir.records import MetricsLog, read_event_records, read_jsonl
+from train.workdir.metrics_log import MetricsLog, read_event_records, read_jsonl
 
 NOWHERE = Path("/tmp/jaxblock-plan-only-never-written")
 train_step = functools.partial(task_train_step, CLASSIFICATION)

@@ -31,7 +31,7 @@ from train.data.pretrain import load_corpus
 from train.devices.runners import make_runner
 from train.loop.state import abstract_init, create_state, init_params
 from train.tasks import MaskedLMTask, task_for
-from train.workdir.records import read_jsonl
+from train.workdir.metrics_log import read_jsonl
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "configs/pretrain_tiny.yaml"

@@ -40,8 +40,10 @@ from train.loop.plan import Plan
 from train.loop.state import TrainState, abstract_init, create_state, init_params
 from train.loop.trainer import Trainer
 from train.tasks import Task, metric_names, task_for, with_ranking
+from train.workdir.curves import plot_curves
+from train.workdir.files import atomic_write
 from train.workdir.lock import WorkdirLock
-from train.workdir.records import atomic_write, plot_curves, run_metadata
+from train.workdir.session_record import run_metadata
 
 __all__ = ["Plan", "WorkdirError", "plan_run", "prepare", "train"]
 
@@ -182,7 +184,7 @@ def train(config: Config, workdir: Path, *, batches: Callable[[BatchSource], Bat
     locked before its run is read, a new one as soon as the plan is valid (so bad input creates nothing).
     `batches` may wrap the planned batch source (e.g. to inject faults in tests). `interrupts` is the CLI's
     signal policy; without one, SIGINT/SIGTERM are handled for the duration of the call. Raises the
-    one-line errors of `plan_run`, WorkdirBusyError, DiskFullError, or train.loop.trainer.HaltError.
+    one-line errors of `plan_run`, WorkdirBusyError, DiskFullError, or HaltError (train/errors.py).
     """
     workdir = Path(workdir)
     initialize_distributed(config.parallel)

@@ -46,7 +46,8 @@ from train.loop.state import TrainState
 from train.loop.summary import best_fields, best_validation, prefixed
 from train.tasks import CLASSIFICATION, Task, metric_names, ranking
 from train.workdir.log_routing import LIBRARY_LOG, library_errors_to, stderr_to
-from train.workdir.records import MetricsLog, Progress, read_jsonl
+from train.workdir.metrics_log import MetricsLog, read_jsonl
+from train.workdir.progress import Progress
 
 __all__ = ["Every", "HaltError", "Tick", "Trainer", "evaluate", "locate_nonfinite"]
 
