@@ -24,81 +24,29 @@ from __future__ import annotations
 import contextlib
 import sys
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 
-from jaxblock.diagnostics import first_nonfinite, grad_norms_by_depth, residual_ratios
+from jaxblock.diagnostics import grad_norms_by_depth, residual_ratios
 from train.checkpoints.repair import restore_newest_good, saves_report_full_disk
 from train.checkpoints.store import Checkpoints, check_compatible
-from train.config import Config
 from train.devices.runners import is_primary
 from train.errors import HaltError
 from train.evaluation import evaluate, host_number
 from train.interrupts import Interrupts
 from train.loop.log_window import LogWindow
+from train.loop.nonfinite import all_finite, halt_error, locate_nonfinite
 from train.loop.plan import Plan
+from train.loop.schedule import Every, Tick
 from train.loop.state import TrainState
 from train.loop.summary import best_fields, best_validation, prefixed
-from train.tasks import CLASSIFICATION, Task, metric_names, ranking
+from train.tasks import metric_names, ranking
 from train.workdir.log_routing import LIBRARY_LOG, library_errors_to, stderr_to
 from train.workdir.metrics_log import MetricsLog, read_jsonl
 from train.workdir.progress import Progress
 
 __all__ = ["Every", "HaltError", "Tick", "Trainer", "evaluate", "locate_nonfinite"]
-
-
-def locate_nonfinite(config: Config, params: Any, batch: dict[str, np.ndarray], task: Task = CLASSIFICATION) -> str:
-    """The first block/sublayer whose recorded output is non-finite on `batch` (jaxblock.diagnostics),
-    plus the likely cause when the batch itself holds token ids outside the vocabulary."""
-    found = first_nonfinite(task.build_model(config.model), {"params": params}, batch)
-    where = str(found) if not found.passed else (
-        "none in the forward pass: the loss is finite, so the gradients overflowed in the backward pass")
-    tokens, vocab = np.asarray(batch["tokens"]), config.model.vocab_size
-    if tokens.size and (tokens.min() < 0 or tokens.max() >= vocab):
-        where += (f"; the batch has token ids {tokens.min()}..{tokens.max()} outside [0, {vocab}): a corrupt batch "
-                  "or the wrong tokenizer")
-    return where
-
-
-@jax.jit
-def _all_finite(tree: Any) -> jax.Array:
-    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
-    return jnp.all(jnp.stack(leaves))
-
-
-@dataclass
-class Tick:
-    """What the periodic work after step `done` sees: the state, whether this is the last step or the run is
-    stopping, and the validation of this step once the validation has run (the checkpoint records it)."""
-
-    state: TrainState
-    done: int
-    last: bool = False
-    stopping: bool = False
-    val: dict[str, float] | None = None
-
-
-@dataclass(frozen=True)
-class Every:
-    """Periodic work: due when `every` divides the step, at the last step (`at_end`) and when the run is
-    stopping (`on_stop`). `every` of 0 or None is never due on its own."""
-
-    every: int | None
-    action: Callable[[Tick], None] = lambda tick: None
-    at_end: bool = True
-    on_stop: bool = False
-
-    def due(self, done: int, last: bool, stopping: bool) -> bool:
-        return bool((self.every and done % self.every == 0) or (self.at_end and last) or (self.on_stop and stopping))
-
-    def __call__(self, tick: Tick) -> None:
-        if self.due(tick.done, tick.last, tick.stopping):
-            self.action(tick)
 
 
 class Trainer:
@@ -273,7 +221,7 @@ class Trainer:
         self.drain(tick.state)
         host_state = self.runner.unreplicate(tick.state)
         ckpts = self.ckpts_()
-        if bool(self.runner.fetch(_all_finite((host_state.params, host_state.opt_state)))):
+        if bool(self.runner.fetch(all_finite((host_state.params, host_state.opt_state)))):
             self.log_().flush()
             metrics = {f"val_{k}": v for k, v in tick.val.items()} if tick.val else None
             meta = {"seed": self.cfg.train.seed, "label_names": self.plan.dataset.label_names,
@@ -294,18 +242,10 @@ class Trainer:
 
     def halt(self, state: TrainState, done: int, m: dict[str, float]) -> None:
         """Stop without saving; name the first non-finite block/sublayer on the step's own examples."""
-        tcfg = self.cfg.train
         where = locate_nonfinite(self.cfg, self.runner.host_params(state), self.batches.example_batch(done - 1),
                                  self.task)
-        why = ("train.nonfinite=halt" if tcfg.nonfinite == "halt"
-               else f"{int(m['nonfinite_consecutive'])} consecutive non-finite steps (train.max_nonfinite)")
         self.wait_for_saves(None)  # report the newest checkpoint that is complete on disk
-        newest = self.ckpts_().latest_step()
-        raise HaltError(
-            f"halted at step {done}: non-finite loss or gradients ({why}); {where}; "
-            f"newest checkpoint: {newest if newest is not None else 'none'} (finite): lower optim.lr, check the "
-            "data, or set train.nonfinite=skip, then rerun the same command to resume from it"
-        )
+        raise halt_error(self.cfg, done, int(m["nonfinite_consecutive"]), where, self.ckpts_().latest_step())
 
     # --- the end of a session -------------------------------------------------------------------
 
