@@ -70,25 +70,11 @@ class Trainer:
 
     def train(self, notes: list[str] | None = None) -> dict[str, Any]:
         """Train from the plan's start step; `notes` are lines to show once the progress line is up."""
-        plan, tcfg, interrupts = self.plan, self.cfg.train, self.interrupts
         t0, failed = time.perf_counter(), True
-        with library_errors_to(plan.workdir / LIBRARY_LOG):
+        with library_errors_to(self.plan.workdir / LIBRARY_LOG):
             try:
-                state = self.open(notes or [])
-                actions = [self.log_rows, Every(tcfg.diagnostics_every, self.diagnose, at_end=False),
-                           Every(tcfg.eval_every, self.validate), Every(self.cfg.checkpoint.every, self.checkpoint,
-                                                                        on_stop=True)]
-                tick = Tick(state, plan.start_step)
-                with interrupts.graceful():
-                    for step in range(plan.start_step, tcfg.steps):
-                        interrupts.set_phase("compile" if step == plan.start_step else "training")
-                        state, done = self.step(state, step), step + 1
-                        tick = Tick(state, done, last=done == tcfg.steps, stopping=self.stop_requested(done))
-                        for action in actions:
-                            action(tick)
-                        if tick.stopping:
-                            break
-                interrupts.set_phase("finishing")
+                tick = self.steps(self.open(notes or []))
+                self.interrupts.set_phase("finishing")
                 self.wait_for_saves(tick.done)
                 summary = self.stopped(tick.done) if tick.stopping else self.finish(tick.state, tick.val)
                 summary["seconds"] = round(time.perf_counter() - t0, 1)
@@ -96,6 +82,25 @@ class Trainer:
                 return summary
             finally:
                 self.close(failed)
+
+    def steps(self, state: TrainState) -> Tick:
+        """Every step from the plan's start to train.steps (or a stop), each followed by the periodic work due;
+        the last step's Tick."""
+        start, total, interrupts = self.plan.start_step, self.cfg.train.steps, self.interrupts
+        actions = [self.log_rows, Every(self.cfg.train.diagnostics_every, self.diagnose, at_end=False),
+                   Every(self.cfg.train.eval_every, self.validate),
+                   Every(self.cfg.checkpoint.every, self.checkpoint, on_stop=True)]
+        tick = Tick(state, start)
+        with interrupts.graceful():
+            for step in range(start, total):
+                interrupts.set_phase("compile" if step == start else "training")
+                state, done = self.step(state, step), step + 1
+                tick = Tick(state, done, last=done == total, stopping=self.stop_requested(done))
+                for action in actions:
+                    action(tick)
+                if tick.stopping:
+                    break
+        return tick
 
     def step(self, state: TrainState, step: int) -> TrainState:
         """Dispatch step `step`; fetch the queue when it reaches train.sync_every."""
