@@ -83,3 +83,9 @@ def test_the_graph_sees_function_level_relative_and_package_imports(tmp_path):
     (pkg / "sub" / "leaf.py").write_text("from pkg import a\n")  # a submodule: an edge to it, not to pkg
     assert set(import_graph(pkg).successors("pkg.sub.leaf")) == {"pkg.a"}
     assert cycles(pkg) == [["pkg.a", "pkg.b", "pkg.sub.leaf"]]
+
+
+def test_loading_a_trained_run_imports_neither_the_loop_nor_the_run():
+    reached = nx.descendants(import_graph(ROOT / "train"), "train.inference")
+    assert "train.evaluation" in reached
+    assert not reached & {"train.loop.trainer", "train.run"}, sorted(reached)
