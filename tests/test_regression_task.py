@@ -117,3 +117,14 @@ def test_regression_trains_through_the_command_line_and_beats_the_mean(tmp_path)
                              env=env, capture_output=True, text=True, cwd=ROOT)
     assert refused.returncode == 2 and refused.stderr.count("\n") == 1
     assert "task=regression run, which predicts no class labels" in refused.stderr
+
+
+@pytest.mark.slow
+def test_diagnose_runs_the_checks_on_the_regression_model_with_its_loss(tmp_path, capsys):
+    from train import diagnose
+
+    argv = ["--config", TINY, "task=regression", "data.synthetic_task=majority", "--batch-size", "4"]
+    assert diagnose.main([*argv, "--out", str(tmp_path / "d")]) == 0
+    assert capsys.readouterr().out.startswith("diagnose: all ")
+    assert diagnose.main([*argv, "--random", "--out", str(tmp_path / "r")]) == 2
+    assert "drop --random" in capsys.readouterr().err and not (tmp_path / "r").exists()

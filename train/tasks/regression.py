@@ -123,7 +123,8 @@ class RegressionTask:
         return cls()
 
     def build_model(self, config: EncoderConfig) -> nn.Module:
-        return Classifier(config)  # num_classes=1 (resolve): the head's one output is the score
+        # One output, the score, whatever model.num_classes says (resolve sets it to 1 for the run's config).
+        return Classifier(config.model_copy(update={"num_classes": 1}))
 
     def check_batch(self, batch: Batch) -> None:
         packed = "segment_ids" in batch
