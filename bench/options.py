@@ -3,7 +3,7 @@
 options  the training step at the first benchmark shape (Pre-LN) with one option changed at a time:
          fused QKV off, attention kernel (unfused, chunked), scan over layers, remat (full, dots),
          bf16 compute (float32 params; float32 softmax and norm statistics), no buffer donation,
-         and the block without `settle_gradient` (jaxblock/settle.py: the residual gradient stored once
+         and the block without `settle_gradient` (jaxblock/cpu_residual_gradient.py: the residual gradient stored once
          per residual point instead of re-derived by each consumer fusion; swapped for an identity here).
          Remat on unrolled layers recomputes but saves no memory on XLA's CPU backend (its scheduler
          runs the recomputation early), so remat is measured with scan too.
@@ -28,7 +28,7 @@ from flax.training.train_state import TrainState
 from bench.context import Context
 from bench.measure import Record, compiled_memory, peak_rss, time_interleaved
 from bench.workloads import OursTrain, init_params, make_inputs, stack_config
-from jaxblock import settle as settle_gradient
+from jaxblock import cpu_residual_gradient as settle_gradient
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -19,9 +19,9 @@ import jax.numpy as jnp
 from jaxblock import masks
 from jaxblock.attention import SelfAttention
 from jaxblock.config import BlockConfig
+from jaxblock.cpu_residual_gradient import settle_gradient  # noqa: F401  (its old home; the stack applies it)
 from jaxblock.ffn import FeedForward
 from jaxblock.norms import make_norm
-from jaxblock.settle import settle_gradient  # noqa: F401  (its old home; the stack applies it)
 from jaxblock.wiring import WIRINGS
 
 # The values each block sows into "intermediates", in execution order for each placement.
@@ -96,6 +96,6 @@ class EncoderBlock(nn.Module):
         return y
 
     def _record(self, name: str, value: jax.Array) -> jax.Array:
-        """Sow `value` as the recorded site `name` and pass it on (jaxblock.settle intercepts here)."""
+        """Sow `value` as the recorded site `name` and pass it on (jaxblock.cpu_residual_gradient intercepts here)."""
         self.sow("intermediates", name, value)
         return value

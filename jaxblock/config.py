@@ -229,7 +229,7 @@ class EncoderConfig(StackConfig):
         False, description="A norm (block.norm_type, block.norm_eps) on embedding + positions, as BERT's."
     )
     embed_dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout after embedding + positions.")
-    num_classes: int = Field(2, gt=1, description="C: classes of the Classifier's head.")
+    num_classes: int = Field(2, ge=1, description="C: outputs of the Classifier's head: classes, or 1 for a score.")
     pooling: Literal["mean", "cls", "last"] = Field(
         "mean",
         description="Classifier pooling: 'mean' over real tokens; 'cls' the first token through a trained "

@@ -19,10 +19,10 @@ from jaxblock import masks
 from jaxblock.block import EncoderBlock
 from jaxblock.config import EncoderConfig, StackConfig
 from jaxblock.ffn import gelu_exact
+from jaxblock.cpu_residual_gradient import settled_residuals
 from jaxblock.initializers import param
 from jaxblock.norms import make_norm
 from jaxblock.positions import sinusoidal_table
-from jaxblock.settle import settled_residuals
 
 # Remat lowers peak memory only together with scan_layers on XLA's CPU backend: with unrolled layers
 # its scheduler runs the recomputed forward early, so the step recomputes and keeps as much live
@@ -43,7 +43,7 @@ class _Layer(EncoderBlock):
         self, x: jax.Array, valid_tokens: jax.Array, attn_mask: Any, segment_ids: Any, positions: Any,
         per_layer: Any,
     ) -> Any:
-        with settled_residuals(self, valid_tokens):  # a CPU speed workaround: jaxblock/settle.py
+        with settled_residuals(self, valid_tokens):  # a CPU speed workaround: jaxblock/cpu_residual_gradient.py
             y = super().__call__(
                 x, valid_tokens, attn_mask=attn_mask, segment_ids=segment_ids, positions=positions,
                 per_layer=per_layer, train=self.train,

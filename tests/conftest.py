@@ -29,6 +29,11 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
     atexit.register(shutil.rmtree, _cache, ignore_errors=True)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
+# Only the jaxblock library is installed (pyproject): the `python -m train` subprocesses find the
+# checkout's train/ and bench/ through PYTHONPATH whatever directory the suite runs from.
+_checkout = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _checkout not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [_checkout, os.environ.get("PYTHONPATH")]))
 
 import jax  # noqa: E402
 

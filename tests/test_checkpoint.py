@@ -15,12 +15,12 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from train import run
+from train.checkpoints.restore import restore_run
 from train.checkpoints.store import (
     CheckpointError,
     Checkpoints,
     check_compatible,
     latest_step,
-    load_for_inference,
     read_run_config,
 )
 
@@ -94,6 +94,7 @@ def test_keep_best_keeps_the_best_and_the_newest(tiny, tmp_path):
     from train.inference import TrainedRun
 
     assert TrainedRun.load(tmp_path).step == best  # evaluate/predict default to the best, not the newest
+    assert restore_run(tmp_path).config.checkpoint.keep_best
 
 
 def test_shape_mismatch_names_the_parameter(trained_plan, tiny, tmp_path):
@@ -111,11 +112,11 @@ def test_shape_mismatch_names_the_parameter(trained_plan, tiny, tmp_path):
         check_compatible(tmp_path, 1, deeper.abstract.params)
 
 
-def test_load_for_inference_without_a_checkpoint_is_one_line(tmp_path):
+def test_restore_run_without_a_checkpoint_is_one_line(tmp_path):
     with pytest.raises(CheckpointError, match=r"holds no run \(config.yaml missing\)"):
-        load_for_inference(tmp_path)
+        restore_run(tmp_path)
     with pytest.raises(CheckpointError, match="does not exist"):
-        load_for_inference(tmp_path / "missing")
+        restore_run(tmp_path / "missing")
 
 
 def test_restore_onto_a_different_mesh(trained_plan, tmp_path):
@@ -166,6 +167,6 @@ def test_cli_restores_across_device_counts_8_1_8(tmp_path):
         assert latest_step(tmp_path / "moved") == steps
     done = _run(tmp_path / "still", 1, 12)
     assert done.returncode == 0, done.stderr
-    moved, still = load_for_inference(tmp_path / "moved")[1], load_for_inference(tmp_path / "still")[1]
+    moved, still = restore_run(tmp_path / "moved").params, restore_run(tmp_path / "still").params
     for x, y in zip(jax.tree.leaves(moved), jax.tree.leaves(still), strict=True):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-5)

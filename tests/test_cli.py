@@ -16,7 +16,7 @@ import pytest
 from conftest import STANDARD as FAST
 
 from train.__main__ import main
-from train.checkpoints.store import load_for_inference
+from train.checkpoints.restore import restore_run
 from train.data.labelled import encode_texts
 from train.tasks import CLASSIFICATION
 
@@ -163,7 +163,8 @@ def test_evaluate_predict_and_rerun_of_a_finished_run(reference_run, tmp_path, c
     header, *rows = [line.split("\t") for line in capsys.readouterr().out.splitlines()]
     assert header == ["label", "probability", "truncated", "text"]
     # Recomputed here from the checkpoint: the softmax of the classifier's logits, argmax and its probability.
-    config, params, tokenizer, labels = load_for_inference(trained)
+    restored = restore_run(trained)
+    config, params, tokenizer, labels = restored.config, restored.params, restored.tokenizer, restored.label_names
     batch = encode_texts(tokenizer, texts, config.data.max_len, config.data.buckets)
     logits = CLASSIFICATION.build_model(config.model).apply({"params": params}, batch["tokens"], batch["valid_tokens"])
     probs = np.asarray(jax.nn.softmax(logits, axis=-1))

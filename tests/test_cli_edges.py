@@ -15,7 +15,7 @@ from conftest import signal_at
 
 from train import run
 from train.__main__ import main, program
-from train.workdir.records import read_jsonl
+from train.workdir.metrics_log import read_jsonl
 
 TINY = "configs/tiny.yaml"
 

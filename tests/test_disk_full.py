@@ -11,7 +11,9 @@ import resource
 
 import pytest
 
-from train.workdir.records import JSONL_FILE, DiskFullError, MetricsLog, atomic_write, read_jsonl
+from train.errors import DiskFullError
+from train.workdir.files import atomic_write
+from train.workdir.metrics_log import JSONL_FILE, MetricsLog, read_jsonl
 
 
 @contextlib.contextmanager

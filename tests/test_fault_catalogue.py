@@ -25,8 +25,9 @@ from conftest import STANDARD, PassThrough
 from train import run
 from train.__main__ import main
 from train.checkpoints.repair import DAMAGE_NOTE, committed_steps
-from train.checkpoints.store import latest_step, load_for_inference
-from train.workdir.records import read_jsonl
+from train.checkpoints.restore import restore_run
+from train.checkpoints.store import latest_step
+from train.workdir.metrics_log import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs/tiny.yaml")
@@ -92,7 +93,7 @@ def one_line(err: str, text: str) -> str:
 
 
 def params(workdir: Path) -> list[np.ndarray]:
-    return [np.asarray(x) for x in jax.tree.leaves(load_for_inference(workdir, latest_step(workdir))[1])]
+    return [np.asarray(x) for x in jax.tree.leaves(restore_run(workdir, latest_step(workdir)).params)]
 
 
 def assert_same_run(workdir: Path, whole: Path) -> None:

@@ -22,9 +22,10 @@ import pytest
 from conftest import Faulty, signal_at
 
 from train import run
-from train.checkpoints.store import latest_step, load_for_inference
+from train.checkpoints.restore import restore_run
+from train.checkpoints.store import latest_step
 from train.loop import trainer as loop
-from train.workdir.records import read_event_records, read_jsonl
+from train.workdir.metrics_log import read_event_records, read_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -41,7 +42,7 @@ def poison(step: int):
 
 
 def same_params(a: Path, b: Path) -> None:
-    for x, y in zip(jax.tree.leaves(load_for_inference(a)[1]), jax.tree.leaves(load_for_inference(b)[1]),
+    for x, y in zip(jax.tree.leaves(restore_run(a).params), jax.tree.leaves(restore_run(b).params),
                     strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
@@ -56,7 +57,7 @@ def test_nan_skip_counts_the_skip_and_keeps_training(tiny, tmp_path):
     assert [train[s]["nonfinite_total"] for s in range(1, 11)] == [0, 0, 0, 1, 1, 1, 1, 1, 1, 1]
     assert train[4]["loss"] == "nan" and all(np.isfinite(train[s]["loss"]) for s in (3, 5, 10))
     assert summary["steps"] == 10 and np.isfinite(summary["test_loss"])
-    assert finite(load_for_inference(tmp_path)[1])
+    assert finite(restore_run(tmp_path).params)
 
 
 @pytest.mark.slow
@@ -70,7 +71,7 @@ def test_nan_halt_names_the_cause_and_keeps_the_newest_checkpoint_finite(tiny, t
     assert re.search(r"the batch has token ids \d+\.\.10000 outside \[0, 18\): a corrupt batch", message)
     assert "newest checkpoint: 4 (finite)" in message
     assert latest_step(tmp_path) == 4  # step 5 was due a checkpoint (every=1) but is never saved
-    assert finite(load_for_inference(tmp_path)[1])
+    assert finite(restore_run(tmp_path).params)
 
 
 @pytest.mark.slow
@@ -87,7 +88,7 @@ def test_huge_learning_rate_halts_naming_a_block_sublayer(reference_run, tiny, t
     assert "3 consecutive non-finite steps (train.max_nonfinite)" in message  # default: skip, then halt
     newest = latest_step(tmp_path / "run")
     assert newest is not None and newest >= 10
-    assert finite(load_for_inference(tmp_path / "run")[1])
+    assert finite(restore_run(tmp_path / "run").params)
 
 
 @pytest.mark.slow
@@ -162,8 +163,8 @@ def test_kill_9_then_resume_is_bitwise_identical(tmp_path):
     assert latest_step(cut) in (10, 20)
     done = subprocess.run(cli(cut, *args), env=env_one_device(), capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
-    for x, y in zip(jax.tree.leaves(load_for_inference(tmp_path / "whole")[1]),
-                    jax.tree.leaves(load_for_inference(cut)[1]), strict=True):
+    for x, y in zip(jax.tree.leaves(restore_run(tmp_path / "whole").params),
+                    jax.tree.leaves(restore_run(cut).params), strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     steps = [(r["split"], r["step"]) for r in read_jsonl(cut / "metrics.jsonl")]
     assert steps == [(r["split"], r["step"]) for r in read_jsonl(tmp_path / "whole/metrics.jsonl")]

@@ -9,7 +9,8 @@ import jax
 import numpy as np
 import pytest
 
-from train.checkpoints.store import CheckpointError, load_for_inference
+from train.checkpoints.restore import restore_run
+from train.checkpoints.store import CheckpointError
 from train.data.labelled import DataError, encode_texts
 from train.inference import TrainedRun
 from train.tasks import CLASSIFICATION
@@ -38,7 +39,8 @@ def test_evaluate_reproduces_the_runs_own_test_result(trained, reference_run):
 def test_predict_is_the_softmax_of_the_classifier(trained, reference_run):
     texts = ["3 5 7 3", "4 6 8", "1"]
     predictions = trained.predict(texts)
-    config, params, tokenizer, labels = load_for_inference(reference_run[0])
+    restored = restore_run(reference_run[0])
+    config, params, tokenizer, labels = restored.config, restored.params, restored.tokenizer, restored.label_names
     batch = encode_texts(tokenizer, texts, config.data.max_len, config.data.buckets)
     logits = CLASSIFICATION.build_model(config.model).apply({"params": params}, batch["tokens"], batch["valid_tokens"])
     probs = np.asarray(jax.nn.softmax(logits, axis=-1))  # [N, C]

@@ -15,7 +15,7 @@ from conftest import TINY, tiny_config
 
 from train import run
 from train.__main__ import main
-from train.checkpoints.store import load_for_inference
+from train.checkpoints.restore import restore_run
 from train.config import ConfigError
 from train.init_from import INIT_DIR
 
@@ -27,7 +27,7 @@ def leaves(tree: Any) -> dict[str, np.ndarray]:
 @pytest.mark.parametrize("strategy", ["single", "pmap", "sharded"])
 def test_fresh_run_starts_from_the_source_encoder_with_a_fresh_head(reference_run, tmp_path, strategy):
     source, _ = reference_run
-    _, src_params, _, _ = load_for_inference(source, 10)
+    src_params = restore_run(source, 10).params
     plan = run.plan_run(tiny_config(f"model.init_from={source}@10", "train.seed=7",
                                     f"parallel.strategy={strategy}", "parallel.mesh.fsdp=2"), tmp_path / "new")
     state = plan.runner.unreplicate(plan.initial_state())
@@ -56,7 +56,7 @@ def test_cli_fine_tunes_records_the_source_and_resume_keeps_its_checkpoint(refer
     assert (work / INIT_DIR / "config.yaml").is_file()
     assert (work / "tokenizer" / "tokenizer_config.json").read_bytes() == \
         (source / "tokenizer" / "tokenizer_config.json").read_bytes()
-    _, params4, _, _ = load_for_inference(work, 4)
+    params4 = restore_run(work, 4).params
     # Resume past the end: the run's own checkpoint wins over the source's weights.
     assert main([*args[:-1], "train.steps=6"]) == 0
     plan = run.plan_run(run.config_for_workdir(None, ["train.steps=8"], work), work)
@@ -65,7 +65,7 @@ def test_cli_fine_tunes_records_the_source_and_resume_keeps_its_checkpoint(refer
     assert run.plan_run(tiny_config("train.steps=8"), work).config.model.init_from == str(source)
     with pytest.raises(ConfigError, match=r"holds a run started from model\.init_from="):
         run.plan_run(tiny_config("train.steps=8", f"model.init_from={source}@5"), work)
-    _, params6, _, _ = load_for_inference(work, 6)
+    params6 = restore_run(work, 6).params
     assert not np.array_equal(params6["head"]["kernel"], params4["head"]["kernel"])
     assert main(["evaluate", "--workdir", str(work)]) == 0
 

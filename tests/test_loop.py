@@ -17,15 +17,17 @@ import yaml
 
 from jaxblock.model import Classifier
 from train import run
-from train.checkpoints.store import load_for_inference
+from train.checkpoints.restore import restore_run
+from train.config import ConfigError
 from train.data import labelled as data
 from train.data.batches import InMemoryBatches
 from train.loop import trainer as loop
 from train.loop.state import create_state, init_params
 from train.loop.step import loss_fn_for
 from train.loop.step import train_step as task_train_step
+from train.loop.summary import best_validation
 from train.tasks import CLASSIFICATION
-from train.workdir.records import MetricsLog, read_event_records, read_jsonl
+from train.workdir.metrics_log import MetricsLog, read_event_records, read_jsonl
 
 NOWHERE = Path("/tmp/jaxblock-plan-only-never-written")
 train_step = functools.partial(task_train_step, CLASSIFICATION)
@@ -136,7 +138,7 @@ def test_resume_after_a_lost_tail_matches_uninterrupted_bitwise(reference, tiny,
     assert run.plan_run(tiny(), cut).start_step == 5
     rest = run.train(tiny(), cut)
     assert rest["session_steps"] == 5
-    for x, y in zip(jax.tree.leaves(load_for_inference(whole_dir)[1]), jax.tree.leaves(load_for_inference(cut)[1]),
+    for x, y in zip(jax.tree.leaves(restore_run(whole_dir).params), jax.tree.leaves(restore_run(cut).params),
                     strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     assert whole["test_accuracy"] == rest["test_accuracy"]
@@ -164,14 +166,14 @@ def test_halt_report_names_the_block_sublayer_or_the_bad_tokens(plan):
 
 def test_periodic_actions_fire_every_n_steps_at_the_end_and_on_a_stop():
     fired: list[tuple[str, int]] = []
-    actions = [loop.Every(3, lambda _, done: fired.append(("log", done)), on_stop=True),
-               loop.Every(4, lambda _, done: fired.append(("diag", done)), at_end=False),
-               loop.Every(None, lambda _, done: fired.append(("never", done)), at_end=False)]
+    actions = [loop.Every(3, lambda tick: fired.append(("log", tick.done)), on_stop=True),
+               loop.Every(4, lambda tick: fired.append(("diag", tick.done)), at_end=False),
+               loop.Every(None, lambda tick: fired.append(("never", tick.done)), at_end=False)]
     for done in range(1, 8):
         for action in actions:
-            action(None, done, last=done == 10, stopping=done == 7)
+            action(loop.Tick(None, done, last=done == 10, stopping=done == 7))
     for action in actions:
-        action(None, 10, last=True, stopping=False)
+        action(loop.Tick(None, 10, last=True, stopping=False))
     assert fired == [("log", 3), ("diag", 4), ("log", 6), ("log", 7), ("log", 10)]
 
 
@@ -269,3 +271,52 @@ def test_packing_source_packs_training_batches_but_not_the_example_batch(plan, t
 def test_packing_run_trains_through_the_loop(tiny, tmp_path):
     summary = run.train(tiny(*PACKING), tmp_path)
     assert summary["steps"] == 10 and np.isfinite(summary["test_accuracy"])
+
+
+# --- which validation is the best: the task's metrics, ranked as keep-best ranks checkpoints ---------
+
+
+@pytest.mark.slow
+def test_the_summary_names_the_best_validation_by_the_keep_best_metric(tiny, tmp_path):
+    """best_metric=val_loss best_mode=min: summary.json's best validation is the one the best checkpoint
+    (the one the test ran on) was kept for, not the most accurate one."""
+    cfg = tiny("train.steps=8", "train.eval_every=1", "checkpoint.every=1", "checkpoint.keep_best=true",
+               "checkpoint.best_metric=val_loss", "checkpoint.best_mode=min", "checkpoint.max_to_keep=1",
+               "optim.lr=0.03")
+    summary = run.train(cfg, tmp_path)
+    vals = {r["step"]: r for r in read_jsonl(tmp_path / "metrics.jsonl") if r["split"] == "val"}
+    by_loss = min(vals, key=lambda s: (vals[s]["loss"], -s))  # of equally good ones, the newest
+    by_accuracy = max(vals, key=lambda s: (vals[s]["accuracy"], s))
+    assert by_loss != by_accuracy, f"this run's rankings agree, so it tests nothing: {vals}"
+    assert summary["best_val_step"] == by_loss == summary["test_checkpoint_step"]
+    assert summary["best_metric"] == "val_loss"
+    assert summary["best_val_loss"] == vals[by_loss]["loss"]
+    assert summary["best_val_accuracy"] == vals[by_loss]["accuracy"]
+    assert json.loads((tmp_path / "summary.json").read_text()) == summary
+
+
+def test_best_validation_ranks_by_the_named_metric_in_its_direction_newest_first_on_ties():
+    records = [{"split": "val", "step": 2, "loss": 0.5, "accuracy": 0.9},
+               {"split": "val", "step": 4, "loss": 0.4, "accuracy": 0.7},
+               {"split": "train", "step": 4, "loss": 0.1, "accuracy": 1.0},
+               {"split": "val", "step": 6, "loss": 0.4, "accuracy": 0.9}]
+    assert best_validation(records, "accuracy", higher=True)["step"] == 6
+    assert best_validation(records, "loss", higher=False)["step"] == 6
+    assert best_validation(records[:2], "loss", higher=False)["step"] == 4
+    assert best_validation(records[:2], "accuracy", higher=True)["step"] == 2
+    assert best_validation(records[2:3], "loss", higher=False) is None
+
+
+def test_the_ranking_defaults_to_the_task_main_metric_and_refuses_other_metrics(tiny):
+    from train.tasks import MaskedLMTask, ranking, task_for
+
+    assert ranking(CLASSIFICATION, tiny()) == ("accuracy", True)
+    assert ranking(CLASSIFICATION, tiny("checkpoint.best_metric=val_loss")) == ("loss", False)
+    loss_up = tiny("checkpoint.best_metric=val_loss", "checkpoint.best_mode=max")
+    assert ranking(CLASSIFICATION, loss_up) == ("loss", True)
+    assert ranking(MaskedLMTask(), tiny()) == ("masked_accuracy", True)
+    with pytest.raises(ConfigError, match=r"best_metric=val_f1 is not a metric of task=classification: set it to "
+                                          r"one of val_loss, val_accuracy$"):
+        task_for(tiny("checkpoint.best_metric=val_f1"))
+    with pytest.raises(ConfigError, match=r"task=ranking is not a task: set task to one of classification, mlm"):
+        task_for(tiny("task=ranking"))

@@ -24,15 +24,15 @@ import numpy as np
 import pytest
 from conftest import free_port, run_processes
 
-from train.checkpoints.store import load_for_inference
+from train.checkpoints.restore import restore_run
 from train.config import Config, ConfigError, config_from_dict, load_config
 from train.data.batches import StreamBatches
 from train.data.masking import MaskingSpec, mask_batch
 from train.data.pretrain import load_corpus
 from train.devices.runners import make_runner
 from train.loop.state import abstract_init, create_state, init_params
-from train.tasks import MaskedLMTask
-from train.workdir.records import read_jsonl
+from train.tasks import MaskedLMTask, task_for
+from train.workdir.metrics_log import read_jsonl
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "configs/pretrain_tiny.yaml"
@@ -146,13 +146,22 @@ def test_stream_source_restores_its_position_and_evaluates_the_same_rows(tmp_pat
     assert 0 < a.unigram_accuracy() < 0.3
 
 
-def test_config_names_the_task_and_source_mismatch() -> None:
+def test_the_task_names_a_task_and_source_mismatch() -> None:
     with pytest.raises(ConfigError, match="task=mlm"):
-        config_from_dict({"task": "mlm", "data": {"source": "rotten_tomatoes"}})
+        task_for(config_from_dict({"task": "mlm", "data": {"source": "rotten_tomatoes"}}))
     with pytest.raises(ConfigError, match="set task=mlm"):
-        config_from_dict({"data": {"source": "generated_corpus"}})
+        task_for(config_from_dict({"data": {"source": "generated_corpus"}}))
     with pytest.raises(ConfigError, match=r"data\.paths"):
         config_from_dict({"task": "mlm", "data": {"source": "corpus"}})
+
+
+def test_a_run_saved_when_masked_accuracy_was_called_accuracy_is_refused_with_the_new_name() -> None:
+    old = config_from_dict({"task": "mlm", "data": {"source": "generated_corpus"},
+                            "checkpoint": {"best_metric": "val_accuracy", "best_mode": "max"}})
+    with pytest.raises(ConfigError, match=r"^checkpoint\.best_metric=val_accuracy is not a metric of task=mlm \(runs "
+                                          r"saved before it was renamed call val_masked_accuracy val_accuracy\): set "
+                                          r"it to one of val_loss, val_masked_accuracy$"):
+        task_for(old)
 
 
 # --- the real command (slow) -----------------------------------------------------------------
@@ -182,7 +191,7 @@ def test_pretraining_on_the_generated_corpus_beats_the_unigram_baseline(tmp_path
     val = [r for r in records if r["split"] == "val"]
     assert train[-1]["loss"] < train[0]["loss"] - 1.0
     assert val[-1]["loss"] < val[0]["loss"]
-    assert 0.02 < baseline < 0.2 and val[-1]["accuracy"] > 2.5 * baseline, (baseline, val)
+    assert 0.02 < baseline < 0.2 and val[-1]["masked_accuracy"] > 2.5 * baseline, (baseline, val)
     assert "unigram baseline" in done.stdout + done.stderr
 
 
@@ -207,8 +216,8 @@ def test_kill_9_mid_epoch_then_resume_is_bitwise_identical(tmp_path: Path) -> No
         proc.wait()
     done = subprocess.run(cli(cut, cache, *args), env=env(), capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
-    for x, y in zip(jax.tree.leaves(load_for_inference(tmp_path / "whole")[1]),
-                    jax.tree.leaves(load_for_inference(cut)[1]), strict=True):
+    for x, y in zip(jax.tree.leaves(restore_run(tmp_path / "whole").params),
+                    jax.tree.leaves(restore_run(cut).params), strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     steps = [(r["split"], r["step"]) for r in read_jsonl(cut / "metrics.jsonl")]
     assert steps == [(r["split"], r["step"]) for r in read_jsonl(tmp_path / "whole/metrics.jsonl")]

@@ -318,11 +318,11 @@ def test_non_finite_padding_never_reaches_real_outputs_or_logits():
     np.testing.assert_allclose(np.asarray(poisoned), np.asarray(clean), rtol=1e-6, atol=1e-6)
 
 
-# --- the CPU residual-gradient workaround (jaxblock.settle) changes no bit -------------------------
+# --- the CPU residual-gradient workaround (jaxblock.cpu_residual_gradient) changes no bit -------------------------
 
 
 def test_settle_gradient_is_an_exact_identity_forward_and_backward():
-    from jaxblock.settle import settle_gradient
+    from jaxblock.cpu_residual_gradient import settle_gradient
 
     x = jnp.asarray(np.random.default_rng(0).normal(size=(2, 3, 4)), jnp.float32)
     w = jnp.asarray(np.random.default_rng(1).normal(size=(2, 3, 4)), jnp.float32)
@@ -337,7 +337,7 @@ def test_settle_gradient_is_an_exact_identity_forward_and_backward():
 def test_the_stack_settles_each_residual_stream_point_on_cpu_only_and_changes_no_bit(norm, scan):
     """Settled: 2 points per block (its input and the stream between sublayers, from the wiring).
     Loss and gradients are bitwise those of the unsettled stack."""
-    from jaxblock import settle
+    from jaxblock import cpu_residual_gradient as settle
 
     cfg = StackConfig(num_layers=2, scan_layers=scan, block={**BLOCK, "norm": norm})
     model = EncoderStack(cfg)

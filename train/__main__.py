@@ -1,4 +1,4 @@
-"""The command line: `python -m train` (also installed as `jaxblock`).
+"""The command line: `python -m train`, run from the checkout (only the `jaxblock` library is installed).
 
     python -m train --config C --workdir W [key.path=value ...]   train (the same command resumes W)
     python -m train evaluate --workdir W                            validation and test accuracy
@@ -25,15 +25,15 @@ import threading
 from pathlib import Path
 from typing import Any, NoReturn
 
-USAGE_EXIT = 2
-HALT_EXIT = 1
+from train.errors import EXIT_CODES, ONE_LINE_ERRORS, USAGE_EXIT, DataError, DiskFullError
 
 _EPILOG = """\
 commands:
   (none)     train: --config C --workdir W [overrides]; rerunning the same command resumes W from its
              latest complete checkpoint; --config may be omitted to continue with W's saved config
-  evaluate   --workdir W [--split validation|test|train ...] [--step S] [key=value ...]: accuracy and
-             loss; overrides fix what changed since training, e.g. data.path=/new/place/reviews.csv
+  evaluate   --workdir W [--split validation|test|train ...] [--step S] [key=value ...]: the task's
+             metrics (accuracy and loss for classification); overrides fix what changed since training,
+             e.g. data.path=/new/place/reviews.csv
   predict    --workdir W [--step S] [--json] (TEXT ... | - | --file F): label and probability per text;
              `-` reads standard input and --file a file, one text per line
   diagnose   the debugging-path checks on a config's model or a checkpoint (see diagnose --help)
@@ -54,7 +54,7 @@ damaged checkpoint with no good one, a full disk (one line on stderr; nothing al
 
 
 def program() -> str:
-    """The name the user typed: `jaxblock` for the installed script, `python -m train` otherwise."""
+    """The name the user typed: `python -m train`, or the script's own name when a wrapper script runs `main`."""
     name = Path(sys.argv[0]).name if sys.argv and sys.argv[0] else ""
     return "python -m train" if name in ("", "__main__.py", "-c", "-m") or name.startswith("python") else name
 
@@ -131,20 +131,20 @@ def cmd_evaluate(argv: list[str], interrupts: Any = None) -> int:
     args = _evaluate_parser().parse_args([a for a in argv if a not in overrides])
     args.overrides = overrides
     from train.inference import TrainedRun
+    from train.tasks import metric_names
 
     trained = TrainedRun.load(args.workdir, args.step, overrides=args.overrides)
     for note in trained.notes:
         print(note, file=sys.stderr)
     for name in args.split:
         result = trained.evaluate(name)
-        print(f"{name}: accuracy {result['accuracy']:.4f} loss {result['loss']:.4f} "
-              f"({int(result[trained.task.count_name])} {trained.task.count_name}, checkpoint {trained.step})")
+        shown = " ".join(f"{metric} {result[metric]:.4f}" for metric in metric_names(trained.task))
+        print(f"{name}: {shown} ({int(result[trained.task.count_name])} {trained.task.count_name}, "
+              f"checkpoint {trained.step})")
     return 0
 
 
 def _read_texts(args: argparse.Namespace) -> list[str]:
-    from train.data.datasets import DataError
-
     texts: list[str] = []
     for text in args.texts:
         texts += sys.stdin.read().splitlines() if text == "-" else [text]
@@ -257,14 +257,7 @@ def _main(argv: list[str], whole_process: bool) -> int:
     else:
         command = cmd_train
     _quiet_libraries()
-    from train.checkpoints.store import CheckpointError
-    from train.config import ConfigError
-    from train.data.datasets import DataError
     from train.interrupts import run_interruptible
-    from train.loop.trainer import HaltError
-    from train.run import WorkdirError
-    from train.workdir.lock import WorkdirBusyError
-    from train.workdir.records import DiskFullError
 
     def run(interrupts: Any) -> int:
         try:
@@ -273,7 +266,7 @@ def _main(argv: list[str], whole_process: bool) -> int:
             return code
         except BrokenPipeError:
             return _stdout_closed()
-        except (ConfigError, DataError, CheckpointError, WorkdirError, WorkdirBusyError, DiskFullError) as err:
+        except ONE_LINE_ERRORS as err:
             if isinstance(err, DiskFullError):
                 # Libraries flush their files on the full disk once more at exit (tensorboardX's atexit
                 # hook) and Python prints each failure as "Exception ignored in ...": the line below says it.
@@ -281,10 +274,7 @@ def _main(argv: list[str], whole_process: bool) -> int:
             print(one_line(f"error: {err}"), file=sys.stderr)
             if isinstance(err, DiskFullError) and whole_process:
                 _silence_exit_noise()
-            return USAGE_EXIT
-        except HaltError as err:
-            print(one_line(f"error: {err}"), file=sys.stderr)
-            return HALT_EXIT
+            return next(code for kind, code in EXIT_CODES.items() if isinstance(err, kind))
 
     return run_interruptible(run)
 

@@ -14,10 +14,9 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from jaxblock.config import EncoderConfig, format_validation_error
+from train.errors import ConfigError
 
-
-class ConfigError(ValueError):
-    """A bad config: the message is one line naming the key and the fix."""
+__all__ = ["ConfigError"]  # and the config sections below
 
 
 class _Section(BaseModel):
@@ -136,10 +135,13 @@ class CheckpointConfig(_Section):
         False, description="Keep the best `max_to_keep` by `best_metric` (plus the newest, to resume from); "
         "evaluate/predict and the final test use the best."
     )
-    best_metric: Literal["val_accuracy", "val_loss"] = Field(
-        "val_accuracy", description="Validation metric ranking checkpoints (saves at eval steps carry it)."
+    best_metric: str | None = Field(
+        None, description="Validation metric ranking checkpoints and the summary's best validation: val_<any metric "
+        "of the task> (val_loss, val_accuracy; val_masked_accuracy for task=mlm); null: the task's main metric. "
+        "Saves at eval steps carry it."
     )
-    best_mode: Literal["max", "min"] = Field("max", description="max for accuracy, min for loss.")
+    best_mode: Literal["max", "min"] | None = Field(
+        None, description="max or min; null: the metric's own direction (max for accuracy, min for loss).")
     async_save: bool = Field(True, description="Write checkpoints in the background (Orbax async).")
 
 
@@ -248,9 +250,10 @@ class ModelConfig(EncoderConfig):
 
 
 class Config(_Section):
-    task: Literal["classification", "mlm"] = Field(
-        "classification", description="classification: a label per example; mlm: masked-language modelling "
-        "on streamed unlabelled text (data.source corpus, generated_corpus or pretrain_text).")
+    task: str = Field(
+        "classification", description="A task of train/tasks/: classification (a label per example), mlm "
+        "(masked-language modelling on streamed unlabelled text: data.source corpus, generated_corpus or "
+        "pretrain_text), regression (a score per example).")
     mlm: MlmConfig = Field(default_factory=lambda: MlmConfig())
     model: ModelConfig = Field(default_factory=lambda: ModelConfig())
     data: DataConfig = Field(default_factory=lambda: DataConfig())
@@ -261,13 +264,8 @@ class Config(_Section):
     diagnostics: DiagnosticsConfig = Field(default_factory=lambda: DiagnosticsConfig())
 
     @model_validator(mode="after")
-    def _check_task(self) -> Config:
-        streamed = self.data.source in STREAMED_SOURCES
-        if self.task == "mlm" and not streamed:
-            raise ValueError(f"task=mlm reads unlabelled text: set data.source to one of {', '.join(STREAMED_SOURCES)}")
-        if self.task == "classification" and streamed:
-            raise ValueError(f"data.source={self.data.source} is unlabelled text: set task=mlm, or pick a labelled "
-                             "source")
+    def _check_sources(self) -> Config:
+        # Whether the task can read data.source is the task's own check (train/tasks/, at planning).
         if self.data.source == "corpus" and not self.data.paths:
             raise ValueError("source=corpus needs data.paths: set data.paths=[corpus/*.txt] (and data.heldout_paths)")
         return self

@@ -1,8 +1,9 @@
 """`python -m train diagnose --config C [--workdir W] [--out DIR] [key.path=value ...]`
 
-Runs every check of the debugging path (jaxblock.diagnostics) on the config's freshly initialised
-Classifier, or on a trained run's checkpoint (--workdir), over one batch of the config's data (or of
-random tokens with --random), and writes DIR/report.md with DIR/residual_ratios.png and
+Runs every check of the debugging path (jaxblock.diagnostics) on the freshly initialised model of the
+config's task (train/tasks/), or on a trained run's checkpoint (--workdir), with the task's loss, over
+one batch of the config's validation data (or, for classification, of random tokens with --random), and
+writes DIR/report.md with DIR/residual_ratios.png and
 DIR/grad_norms.png.
 
 Exit codes: 0 every check passed; 1 a check failed (named on stderr); 2 bad input (one line on
@@ -21,17 +22,11 @@ import numpy as np
 
 from jaxblock import diagnostics as dg
 from jaxblock.masks import lengths_to_valid_tokens
-from jaxblock.model import Classifier
 from train.config import Config, ConfigError, load_config
 from train.data.datasets import DataError
+from train.errors import FAILED_EXIT, USAGE_EXIT, UsageError
 from train.loop.state import init_params
-from train.tasks import CLASSIFICATION
-
-USAGE_EXIT, FAILED_EXIT = 2, 1
-
-
-class UsageError(ValueError):
-    """Bad command-line input: one line naming the problem and the fix."""
+from train.tasks import CLASSIFICATION, Task, task_for
 
 
 class Parser(argparse.ArgumentParser):
@@ -58,39 +53,48 @@ def main(argv: list[str]) -> int:
         if args.batch_size < 1:
             raise UsageError("--batch-size must be at least 1: pass e.g. --batch-size 16")
         config, params, tokenizer_dir = _load(args)
-        batch = _batch(config, tokenizer_dir, args.batch_size, args.seed, args.random)
+        task = task_for(config)
+        batch = _batch(config, tokenizer_dir, args.batch_size, args.seed, args.random, task)
     except (UsageError, ConfigError, DataError) as err:
         print(f"error: {err}", file=sys.stderr)
         return USAGE_EXIT
     out = Path(args.out) if args.out else (
         Path(args.workdir) / "diagnose" if args.workdir else Path("runs/diagnose") / Path(args.config).stem)
     title = f"checkpoint in {args.workdir}" if args.workdir else f"{args.config} at initialization (seed {args.seed})"
-    return diagnose(Classifier(config.model), {"params": params}, batch, out, title=title,
-                    residual_ratio_limit=config.diagnostics.residual_ratio_limit)
+    return diagnose(task.build_model(config.model), {"params": params}, batch, out, title=title,
+                    residual_ratio_limit=config.diagnostics.residual_ratio_limit, loss=task.loss)
 
 
 def _load(args: argparse.Namespace) -> tuple[Config, Any, Path | None]:
     if args.workdir:
+        from train.checkpoints.restore import restore_run
         from train.checkpoints.store import TOKENIZER_DIR, CheckpointError
-        from train.inference import restore_for_inference
 
         try:  # as evaluate does: a damaged checkpoint is named and the newest that restores is used
-            config, params, _, _, notes = restore_for_inference(Path(args.workdir))
+            run = restore_run(Path(args.workdir))
         except CheckpointError as err:
             raise UsageError(str(err)) from None
-        for note in notes:
+        for note in run.notes:
             print(f"note: {note}", file=sys.stderr)
-        return config, params, Path(args.workdir) / TOKENIZER_DIR
+        return run.config, run.params, Path(args.workdir) / TOKENIZER_DIR
     if not args.config:
         raise UsageError("diagnose needs --config C (a fresh model) or --workdir W (a trained run)")
     config = load_config(args.config, args.overrides)
-    model = Classifier(config.model)
+    model = task_for(config).build_model(config.model)
     return config, init_params(model, args.seed, min(config.model.max_len, config.data.buckets[-1])), None
 
 
-def _batch(config: Config, tokenizer_dir: Path | None, size: int, seed: int, random: bool) -> dict[str, Any]:
-    """A classification batch (tokens, valid_tokens, labels): the config's validation data, or random
-    tokens with ragged lengths."""
+def _batch(config: Config, tokenizer_dir: Path | None, size: int, seed: int, random: bool,
+           task: Task = CLASSIFICATION) -> dict[str, Any]:
+    """A batch of `size` rows: the config's validation data, or (classification) random tokens with ragged
+    lengths and random labels."""
+    if not task.predicts_labels:  # the task's own validation batch, its first `size` rows
+        if random:
+            raise UsageError(f"--random makes class-labelled batches; a task={task.name} run is diagnosed on its "
+                             "validation data: drop --random")
+        task_data = task.load_data(config, tokenizer_dir=tokenizer_dir)
+        first = next(iter(task.make_batches(task_data, config, training=False).eval_batches("validation")))
+        return {k: jax.numpy.asarray(v[:size]) for k, v in first.items()}
     if not random:
         from train.data import labelled as data
 
@@ -109,10 +113,11 @@ def _batch(config: Config, tokenizer_dir: Path | None, size: int, seed: int, ran
 
 
 def diagnose(model: Any, variables: Any, batch: dict[str, Any], out: Path, *, title: str,
-             residual_ratio_limit: float = 10.0) -> int:
-    """Run every check on `model` (any class the diagnostics accept), write the report; the exit code."""
+             residual_ratio_limit: float = 10.0, loss: Any = CLASSIFICATION.loss) -> int:
+    """Run every check on `model` (any class the diagnostics accept) with the task's `loss`, write the
+    report; the exit code."""
 
-    result = dg.run_all(model, variables, batch, CLASSIFICATION.loss, residual_ratio_limit=residual_ratio_limit)
+    result = dg.run_all(model, variables, batch, loss, residual_ratio_limit=residual_ratio_limit)
     out.mkdir(parents=True, exist_ok=True)
     _plot_ratios(result.ratios, out / "residual_ratios.png")
     _plot_grads(result.grads, out / "grad_norms.png")

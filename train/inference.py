@@ -4,6 +4,7 @@
     run = TrainedRun.load("runs/tiny")            # best checkpoint if kept, else the latest
     run.predict(["a gripping film"])              # [Prediction(label='positive', probability=0.91, ...)]
     run.evaluate("test")                          # {'loss': ..., 'accuracy': ..., 'examples': ...}
+    run.task.main_metric                          # 'accuracy': the metric the task ranks by
 
 Everything comes from the workdir: the resolved config (`config.yaml`), the tokenizer (`tokenizer/`) and a
 checkpoint (`checkpoints/<step>`). Inference runs on one device. Errors are one-line
@@ -19,27 +20,16 @@ from typing import Any
 
 import jax
 import numpy as np
-import orbax.checkpoint as ocp
 
-from train.checkpoints.repair import committed_steps, describe_damage, quiet_stderr, restore_newest_good
-from train.checkpoints.store import (
-    CHECKPOINT_DIR,
-    TOKENIZER_DIR,
-    CheckpointError,
-    _reader,
-    best_or_latest,
-    check_compatible,
-    inference_state,
-    read_run_config,
-)
-from train.config import Config, apply_overrides, config_from_dict
+from train.checkpoints.restore import RestoredRun, restore_run
+from train.checkpoints.store import TOKENIZER_DIR, inference_state
+from train.config import Config
 from train.data import labelled as data
-from train.data.batches import InMemoryBatches
 from train.data.tokenizer import Tokenizer
 from train.devices.runners import make_runner
-from train.loop.state import init_params
-from train.loop.trainer import evaluate
-from train.tasks import CLASSIFICATION, Task, task_for
+from train.errors import DataError
+from train.evaluation import evaluate
+from train.tasks import Task, TaskData, task_for
 
 
 @dataclass(frozen=True)
@@ -53,83 +43,29 @@ class Prediction:
     error: str | None = None  # why there is no prediction (e.g. an empty text); label "" and probability 0
 
 
-def restore_for_inference(workdir: Path, step: int | None = None, overrides: list[str] | None = None
-                          ) -> tuple[Config, Any, list[str], int, list[str]]:
-    """(config, params, label names, step, notes) of a run's checkpoint, read-only (no lock, nothing moved),
-    so it works while the run trains.
-
-    `step` None: the best checkpoint when kept, else the latest; if that one is damaged, the newest that
-    restores, with a note naming the damage. A missing `step` lists the steps that exist; a damaged one
-    names the newest that restores. `overrides` (key=value) change the saved config, e.g. a moved
-    data.path. Errors are one-line CheckpointErrors.
-    """
-    if not workdir.is_dir():
-        raise CheckpointError(f"workdir {workdir} does not exist: pass the --workdir of a trained run")
-    config = read_run_config(workdir)
-    if overrides:
-        config = config_from_dict(apply_overrides(config.model_dump(mode="json"), list(overrides)))
-    directory = (workdir / CHECKPOINT_DIR).absolute()
-    steps = committed_steps(directory)
-    if not steps:
-        raise CheckpointError(f"no checkpoint in {workdir}: train first with python -m train "
-                              f"--config CONFIG --workdir {workdir}")
-    if step is not None and step not in steps:
-        raise CheckpointError(f"no checkpoint {step} in {workdir}: it has checkpoints "
-                              f"{', '.join(map(str, steps))}; pass one of them to --step")
-    model = task_for(config).build_model(config.model)  # the run's own model (MaskedLM for task=mlm)
-    shapes = jax.eval_shape(lambda: init_params(model, 0, config.data.buckets[-1]))
-    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=device), shapes)
-    with _reader(directory, config.checkpoint) as manager:
-        chosen = step if step is not None else best_or_latest(manager, config.checkpoint)
-
-        def restore(s: int) -> Any:
-            check_compatible(workdir, s, shapes)
-            return manager.restore(s, args=ocp.args.Composite(
-                params=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()))
-
-        with quiet_stderr():
-            try:
-                restored = restore(chosen)
-                return config, restored["params"], list(restored["meta"]["label_names"]), chosen, []
-            except Exception as err:
-                reason = describe_damage(err, directory / str(chosen))
-                if reason is None:
-                    raise
-        others = [s for s in steps if s != chosen]
-        found = restore_newest_good(directory, restore, steps=others, primary=False) if others else None
-        if found is None or found.step is None:
-            raise CheckpointError(f"checkpoint {chosen} in {workdir} is damaged ({reason}) and no other "
-                                  "checkpoint restores: train again in a new --workdir")
-        if step is not None:
-            raise CheckpointError(f"checkpoint {chosen} in {workdir} is damaged ({reason}): pass --step "
-                                  f"{found.step}, the newest that restores")
-        note = (f"checkpoint {chosen} is damaged ({reason}); using checkpoint {found.step} (the next training "
-                "run on this workdir moves the damaged one aside)")
-        return config, found.value["params"], list(found.value["meta"]["label_names"]), found.step, [note]
-
-
 class TrainedRun:
     """A run's model, parameters and tokenizer, restored for inference (build with `TrainedRun.load`)."""
 
     def __init__(self, workdir: Path, config: Config, params: Any, tokenizer: Tokenizer, label_names: list[str],
-                 step: int | None, task: Task = CLASSIFICATION, notes: list[str] | None = None):
+                 step: int | None, task: Task | None = None, notes: list[str] | None = None):
         self.workdir, self.config, self.params = workdir, config, params
-        self.tokenizer, self.label_names, self.step, self.task = tokenizer, label_names, step, task
+        self.tokenizer, self.label_names, self.step = tokenizer, label_names, step
+        self.task = task if task is not None else task_for(config)
         self.notes = list(notes or [])  # one line per thing the user should know (a damaged checkpoint)
-        self.model = task.build_model(config.model)
-        self._dataset: data.Dataset | None = None
+        self.model = self.task.build_model(config.model)
+        self._dataset: TaskData | None = None
 
     @classmethod
-    def load(cls, workdir: str | Path, step: int | None = None, task: Task = CLASSIFICATION,
+    def load(cls, workdir: str | Path, step: int | None = None, task: Task | None = None,
              overrides: list[str] | None = None) -> TrainedRun:
         """Restore checkpoint `step` of the run in `workdir` (default: the best when the run kept the
-        best ones, else the latest; a damaged one is skipped, see `restore_for_inference`)."""
-        workdir = Path(workdir)
-        config, params, label_names, used, notes = restore_for_inference(workdir, step, overrides)
-        tokenizer = data.load_tokenizer(workdir / TOKENIZER_DIR)
-        task = task_for(config) if task is CLASSIFICATION else task  # a pretraining run (task=mlm) too
-        return cls(workdir, config, params, tokenizer, label_names, used, task, notes)
+        best ones, else the latest; a damaged one is skipped, see train.checkpoints.restore)."""
+        return cls.from_restored(restore_run(workdir, step, overrides=overrides), task)
+
+    @classmethod
+    def from_restored(cls, run: RestoredRun, task: Task | None = None) -> TrainedRun:
+        """The run the task its config names (or `task`) makes of a restored checkpoint."""
+        return cls(run.workdir, run.config, run.params, run.tokenizer, run.label_names, run.step, task, run.notes)
 
     @functools.cached_property
     def _outputs(self) -> Any:
@@ -139,9 +75,10 @@ class TrainedRun:
     def predict(self, texts: list[str], strict: bool = True) -> list[Prediction]:
         """One prediction per text (each truncated to data.max_len tokens: `truncated` says so). An empty
         text is a DataError when `strict`, else a Prediction with `error` set (the others still run)."""
-        if self.config.task != "classification":
-            raise data.DataError(f"the run in {self.workdir} is a {self.config.task} pretraining run with no classes: "
-                                 "fine-tune it (model.init_from) and predict with that run")
+        if not self.task.predicts_labels:
+            raise DataError(f"the run in {self.workdir} is a task={self.task.name} run, which predicts no class "
+                            "labels: evaluate reports its metrics; to predict labels, fine-tune a classification run "
+                            "from it (model.init_from)")
         texts, max_len = list(texts), self.config.data.max_len
         lengths = [len(self.tokenizer.encode(t)) for t in texts]
         good = [i for i, n in enumerate(lengths) if n > 0]
@@ -160,27 +97,20 @@ class TrainedRun:
         return out
 
     @property
-    def dataset(self) -> data.Dataset:
-        """The run's data, split and tokenized as in training (loaded on first use)."""
+    def dataset(self) -> TaskData:
+        """The run's data, as the task loads it for training (loaded on first use)."""
         if self._dataset is None:
-            self._dataset = data.load_dataset(self.config.data, tokenizer_dir=self.workdir / TOKENIZER_DIR)
+            self._dataset = self.task.load_data(self.config, tokenizer_dir=self.workdir / TOKENIZER_DIR)
         return self._dataset
 
     def evaluate(self, split: str = "test") -> dict[str, float]:
-        """Loss, accuracy and example count over `split` ("train", "validation" or "test")."""
+        """The task's metrics (e.g. loss and accuracy) and its count (e.g. examples) over `split` ("train",
+        "validation" or "test"; a streamed corpus has "validation" and "test")."""
         if split not in ("train", "validation", "test"):
             raise ValueError(f"unknown split {split!r}: use train, validation or test")
         config = self.config.model_copy(
             update={"parallel": self.config.parallel.model_copy(update={"strategy": "single"})})
         state = inference_state(self.model, self.params)
         runner = make_runner(config, state, task=self.task)
-        if config.task == "mlm":  # masked loss/accuracy on the held-out text
-            from train.data.batches import StreamBatches
-            from train.data.pretrain import load_corpus
-
-            corpus = load_corpus(config, tokenizer_dir=self.workdir / TOKENIZER_DIR)
-            stream = StreamBatches(corpus, config.model_copy(
-                update={"data": config.data.model_copy(update={"prefetch": "none"})}))
-            return evaluate(self.task, runner, state, stream, split, config.train.sync_every)
-        batches = InMemoryBatches(self.dataset, config)
+        batches = self.task.make_batches(self.dataset, config, training=False)
         return evaluate(self.task, runner, state, batches, split, config.train.sync_every)

@@ -3,8 +3,9 @@
 `plan_run` reads the config, the data, the workdir and any checkpoint in it, and raises a one-line error
 (ConfigError, DataError, CheckpointError, WorkdirError: exit code 2) before anything is written, so a bad
 command never touches an existing run. It builds the three objects the loop receives: the task (what is
-trained), the batch source (where batches come from) and the runner (where the step runs). `train` then
-writes the run's files (`prepare`) and hands the plan to the loop (train/loop/trainer.py).
+trained, train/tasks/), the batch source (where batches come from, made by the task) and the runner (where
+the step runs). `train` then writes the run's files (`prepare`), hands the plan to the loop
+(train/loop/trainer.py) and writes the summary the loop returns (summary.json, curves.png).
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ import json
 import os
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,48 +32,26 @@ from train.checkpoints.store import (
     read_run_config,
 )
 from train.config import Config, ConfigError, apply_overrides, config_from_dict, load_config
-from train.data import labelled as data
-from train.data.batches import BatchSource, InMemoryBatches, StreamBatches
-from train.devices.runners import Runner, initialize_distributed, make_runner
+from train.data.batches import BatchSource
+from train.devices.runners import initialize_distributed, is_primary, make_runner
+from train.errors import WorkdirError
 from train.interrupts import Interrupts
+from train.loop.plan import Plan
 from train.loop.state import TrainState, abstract_init, create_state, init_params
-from train.tasks import CLASSIFICATION, Task, task_for
-from train.workdir.records import atomic_write, run_metadata
+from train.loop.trainer import Trainer
+from train.tasks import Task, metric_names, task_for, with_ranking
+from train.workdir.curves import plot_curves
+from train.workdir.files import atomic_write
+from train.workdir.lock import WorkdirLock
+from train.workdir.session_record import run_metadata
+
+__all__ = ["Plan", "WorkdirError", "plan_run", "prepare", "train"]
 
 RUN_FILE = "run.json"
 SUMMARY_FILE = "summary.json"
 HISTORY_DIR = "config.history"  # the config of every session: from-step-<S>.yaml produced steps S+1...
 # Files a workdir may hold before it holds a run (the lock of a run that failed to plan).
 _NOT_A_RUN = {".lock"}
-
-
-class WorkdirError(ValueError):
-    """A workdir that cannot hold a run: one line naming the problem and the fix."""
-
-
-@dataclass
-class Plan:
-    """Everything validated for a run; nothing has been written yet."""
-
-    config: Config  # resolved: model.vocab_size and model.num_classes come from the data
-    workdir: Path
-    dataset: Any  # data.Dataset (classification) or train.data.pretrain.CorpusData (mlm)
-    start_step: int  # the checkpoint to resume from; 0 for a fresh run
-    task: Task
-    batches: BatchSource
-    runner: Runner
-    abstract: TrainState  # shapes and dtypes only (jax.eval_shape), for the runner and restore targets
-    make_state: Callable[[], TrainState]  # the fresh state (seeded init), traceable
-    init: init_from.Source | None = None  # model.init_from: its encoder weights are grafted into a fresh state
-
-    def initial_state(self) -> TrainState:
-        """The fresh state, built where the runner keeps it (sharded from the start under `sharded`),
-        with the pretrained encoder of model.init_from in place of the seeded one."""
-        state = self.runner.init_state(self.make_state)
-        if self.init is None or self.init.encoder is None:
-            return state
-        state = self.runner.unreplicate(state)  # pmap: drop the device axis; the runner places it again
-        return self.runner.place_state(state.replace(params=init_from.graft(state.params, self.init.encoder)))
 
 
 def check_workdir(workdir: Path) -> None:
@@ -93,64 +71,22 @@ def check_workdir(workdir: Path) -> None:
         raise WorkdirError(f"cannot create workdir {workdir} ({parent} is not writable): pass another --workdir")
 
 
-def resolve(config: Config, dataset: data.Dataset) -> Config:
-    """The config with what the data decides: vocabulary size (tokenizer) and number of classes."""
-    raw = config.model_dump(mode="json")
-    raw["model"].update(vocab_size=dataset.tokenizer.vocab_size, num_classes=len(dataset.label_names))
-    if raw["data"].get("path"):  # saved absolute: evaluate and resume work from any directory
-        raw["data"]["path"] = str(Path(raw["data"]["path"]).expanduser().absolute())
-    resolved = config_from_dict(raw)
-    if resolved.data.packing and resolved.model.pooling != "mean":
-        raise ConfigError(f"data.packing=true pools each packed example by its mean, but model.pooling="
-                          f"'{resolved.model.pooling}': set data.packing=false (or model.pooling=mean)")
-    if resolved.data.buckets[-1] > resolved.model.max_len:
-        raise ConfigError(
-            f"model.max_len={resolved.model.max_len} is shorter than the largest bucket {resolved.data.buckets[-1]} "
-            f"in data.buckets: raise model.max_len to >= {resolved.data.buckets[-1]} or drop that bucket"
-        )
-    return resolved
-
-
-def resolve_corpus(config: Config, corpus: Any) -> Config:
-    """The config of an MLM run with what the corpus decides: the embedding rows the masking needs (the
-    tokenizer's vocabulary, plus a mask row when the tokenizer has no spare id) and rows of data.max_len."""
-    raw = config.model_dump(mode="json")
-    raw["model"].update(vocab_size=corpus.masking.model_vocab_size)
-    raw["data"].update(buckets=[config.data.max_len])
-    resolved = config_from_dict(raw)
-    if resolved.data.max_len > resolved.model.max_len:
-        raise ConfigError(f"model.max_len={resolved.model.max_len} is shorter than the rows of data.max_len="
-                          f"{resolved.data.max_len} tokens: raise model.max_len or lower data.max_len")
-    if config.train.batch_size % config.data.stream_shards:
-        raise ConfigError(f"train.batch_size={config.train.batch_size} does not divide among data.stream_shards="
-                          f"{config.data.stream_shards}: make the batch a multiple of the shard count")
-    return resolved
-
-
-def plan_run(config: Config, workdir: Path, task: Task = CLASSIFICATION) -> Plan:
-    """Validate config, data, workdir and checkpoint compatibility; build the task's runner and batches."""
+def plan_run(config: Config, workdir: Path, task: Task | None = None) -> Plan:
+    """Validate config, data, workdir and checkpoint compatibility; build the task's runner and batches.
+    `task` replaces the one the config names (e.g. a test's variant of it)."""
     workdir = Path(workdir)
     initialize_distributed(config.parallel)  # multi-host: the one call, before anything touches a device
     check_workdir(workdir)
+    named = task_for(config)
+    task = task if task is not None else named
     start = latest_step(workdir) or 0
     config, source = _init_source(config, workdir, start)
     if config.data.source not in ("synthetic", "file", "corpus") and jax.process_index() == 0:
         print(f"loading data: {config.data.source} (the first run fetches and checks it, ~10 s)",
               file=sys.stderr, flush=True)
-    tokenizer_dir = workdir / TOKENIZER_DIR
-    if config.task == "mlm":
-        from train.data.pretrain import load_corpus
-
-        if source is not None:
-            raise ConfigError("model.init_from starts a fine-tuning run; a task=mlm run pretrains from scratch: "
-                              "drop model.init_from")
-        task = task_for(config) if task is CLASSIFICATION else task
-        dataset: Any = load_corpus(config, tokenizer_dir=tokenizer_dir if tokenizer_dir.is_dir() else None)
-        config = resolve_corpus(config, dataset)
-    else:
-        dataset = data.load_dataset(config.data, tokenizer_dir=tokenizer_dir if tokenizer_dir.is_dir() else None,
-                                    tokenizer=source.tokenizer if source and not tokenizer_dir.is_dir() else None)
-        config = resolve(config, dataset)
+    dataset = task.load_data(config, tokenizer_dir=workdir / TOKENIZER_DIR,
+                             tokenizer=source.tokenizer if source is not None else None)
+    config = with_ranking(task.resolve(config, dataset), task)
     if source is not None:
         config = init_from.check_vocab(config, source, dataset.tokenizer)
     if start > config.train.steps:
@@ -172,13 +108,9 @@ def plan_run(config: Config, workdir: Path, task: Task = CLASSIFICATION) -> Plan
     if source is not None and source.encoder is not None:
         source.encoder = init_from.conform(source.encoder, config.model, abstract.params["encoder"], source.spec)
     runner = make_runner(config, abstract, task=task, specs=specs)
-    batches: BatchSource
-    if config.task == "mlm":
-        batches = StreamBatches(dataset, config, runner.data_share())
-        dataset.unigram_accuracy = batches.unigram_accuracy()
-    else:
-        batches = InMemoryBatches(dataset, config, runner.data_share())
-    return Plan(config, workdir, dataset, start, task, batches, runner, abstract, make_state, source)
+    batches = task.make_batches(dataset, config, runner.data_share())
+    return Plan(config, workdir, dataset, start, task, batches, runner, abstract, make_state, source,
+                record=task.run_record(dataset, batches))
 
 
 def _init_source(config: Config, workdir: Path, start: int) -> tuple[Config, init_from.Source | None]:
@@ -232,8 +164,7 @@ def prepare(plan: Plan) -> str | None:
         record["init_from"] = plan.init.record
     record["label_names"] = plan.dataset.label_names
     record["truncated"] = plan.dataset.truncated
-    if plan.config.task == "mlm":  # reported once: what the masked-token accuracy must beat
-        record["unigram_baseline_accuracy"] = plan.dataset.unigram_accuracy
+    record.update(plan.record)  # the task's own entries, e.g. the baseline its main metric must beat
     session = run_metadata(plan.start_step)
     session.update(config=f"{HISTORY_DIR}/from-step-{plan.start_step}.yaml", changed=changed)
     record["sessions"].append(session)
@@ -253,11 +184,8 @@ def train(config: Config, workdir: Path, *, batches: Callable[[BatchSource], Bat
     locked before its run is read, a new one as soon as the plan is valid (so bad input creates nothing).
     `batches` may wrap the planned batch source (e.g. to inject faults in tests). `interrupts` is the CLI's
     signal policy; without one, SIGINT/SIGTERM are handled for the duration of the call. Raises the
-    one-line errors of `plan_run`, WorkdirBusyError, DiskFullError, or train.loop.trainer.HaltError.
+    one-line errors of `plan_run`, WorkdirBusyError, DiskFullError, or HaltError (train/errors.py).
     """
-    from train.loop.trainer import Trainer
-    from train.workdir.lock import WorkdirLock
-
     workdir = Path(workdir)
     initialize_distributed(config.parallel)
     lock = WorkdirLock(workdir, command=" ".join(["train", *sys.argv[1:]]), primary=jax.process_index() == 0)
@@ -273,7 +201,11 @@ def train(config: Config, workdir: Path, *, batches: Callable[[BatchSource], Bat
         lock.acquire()
         if batches is not None:
             plan.batches = batches(plan.batches)
-        return Trainer(plan, policy).train()
+        changed = prepare(plan) if is_primary() else None
+        summary = Trainer(plan, policy).train(notes=[changed] if changed else [])
+        if is_primary():
+            write_summary(plan, summary, policy)
+        return summary
     finally:
         lock.release()
         if own:
@@ -290,9 +222,20 @@ def config_for_workdir(config_path: str | None, overrides: list[str], workdir: P
     return init_from.drop_file_shape(config_from_dict(apply_overrides(saved, overrides)), overrides)
 
 
+def write_summary(plan: Plan, summary: dict[str, Any], interrupts: Interrupts) -> None:
+    """summary.json and curves.png (the task's main metric and loss by step) for the session just ended."""
+    with interrupts.critical("writing summary.json and curves.png"):
+        atomic_write(plan.workdir / SUMMARY_FILE, json.dumps(summary, indent=2) + "\n")
+        plot_curves(plan.workdir, metric_names(plan.task)[:2])
+
+
 def summary_line(summary: dict[str, Any]) -> str:
-    """The one line the CLI prints for a finished run."""
+    """The one line the CLI prints for a finished run: its best validation by the ranking metric, and the
+    test metrics of the checkpoint the test ran on (the best one when the run keeps the best)."""
+    ranked = str(summary.get("best_metric", "val_accuracy")).removeprefix("val_")
+    best = summary.get(f"best_val_{ranked}", float("nan"))
+    tests = ", ".join(f"{key.removeprefix('test_').replace('_', ' ')} {value:.4f}" for key, value in summary.items()
+                      if key.startswith("test_") and key != "test_checkpoint_step")
     return (f"done: {summary['steps']} steps ({summary['session_steps']} this session, {summary['seconds']:.0f}s); "
-            f"best validation accuracy {summary['best_val_accuracy']:.4f} at step {summary['best_val_step']}; "
-            f"test accuracy {summary['test_accuracy']:.4f} (checkpoint {summary['test_checkpoint_step']}); "
-            f"workdir {summary['workdir']}")
+            f"best validation {ranked.replace('_', ' ')} {best:.4f} at step {summary.get('best_val_step')}; "
+            f"test {tests} (checkpoint {summary['test_checkpoint_step']}); workdir {summary['workdir']}")

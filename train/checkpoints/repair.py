@@ -23,6 +23,7 @@ directories (`primary=`), and the others must then reload their managers.
 from __future__ import annotations
 
 import contextlib
+import errno
 import gc
 import json
 import os
@@ -36,8 +37,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from train.checkpoints.store import DamagedCheckpointError
-from train.workdir.records import DiskFullError
+from train.errors import NO_SPACE_ERRNOS, DamagedCheckpointError, DiskFullError
 
 DAMAGED_SUFFIX = ".damaged"
 DAMAGE_NOTE = "DAMAGE.txt"
@@ -218,9 +218,10 @@ def _read(path: Path) -> str:
         return ""
 
 
-# TensorStore reports a failed write as ValueError("RESOURCE_EXHAUSTED: ... [os_error_code='28']") (ENOSPC);
-# a quota or file-size limit gives os_error_code 122 (EDQUOT) or 27 (EFBIG).
-_NO_SPACE_CODE = re.compile(r"os_error_code='(28|122|27)'|No space left on device|Disk quota exceeded|File too large")
+# TensorStore reports a failed write as ValueError("RESOURCE_EXHAUSTED: ... [os_error_code='28']") (ENOSPC),
+# or its message (strerror) without the code.
+_NO_SPACE_CODE = re.compile("|".join([f"os_error_code='({'|'.join(str(n) for n in sorted(NO_SPACE_ERRNOS))})'",
+                                      *(re.escape(os.strerror(n)) for n in sorted(NO_SPACE_ERRNOS))]))
 
 
 def save_failed_for_space(err: BaseException, directory: Path | str, step: int | None) -> DiskFullError | None:
@@ -234,9 +235,22 @@ def save_failed_for_space(err: BaseException, directory: Path | str, step: int |
     for _ in range(20):
         if node is None:
             break
-        if (isinstance(node, OSError) and node.errno in (28, 122, 27)) or _NO_SPACE_CODE.search(str(node)):
+        if (isinstance(node, OSError) and node.errno in NO_SPACE_ERRNOS) or _NO_SPACE_CODE.search(str(node)):
             which = f"checkpoint {step}" if step is not None else "a checkpoint"
-            return DiskFullError(28, f"disk full while saving {which} in {directory}: free space and rerun the "
-                                     "same command to continue from the newest complete checkpoint")
+            return DiskFullError(errno.ENOSPC, f"disk full while saving {which} in {directory}: free space and "
+                                               "rerun the same command to continue from the newest complete checkpoint")
         node = node.__cause__ or node.__context__
     return None
+
+
+@contextlib.contextmanager
+def saves_report_full_disk(directory: Path | str, step: int | None) -> Iterator[None]:
+    """Around a checkpoint save, wait or close: a failure for lack of space becomes the one-line
+    DiskFullError of `save_failed_for_space`; any other error propagates unchanged."""
+    try:
+        yield
+    except Exception as err:
+        full = save_failed_for_space(err, directory, step)
+        if full is None:
+            raise
+        raise full from None

@@ -30,9 +30,8 @@ import yaml
 from orbax.checkpoint import checkpoint_managers
 
 from train.config import CheckpointConfig, Config, ConfigError, config_from_dict
-from train.data.tokenizer import Tokenizer, load_tokenizer
-from train.loop.state import TrainState, init_params
-from train.tasks import task_for
+from train.errors import CheckpointError, DamagedCheckpointError
+from train.loop.state import TrainState
 
 CHECKPOINT_DIR = "checkpoints"
 CONFIG_FILE = "config.yaml"
@@ -50,15 +49,6 @@ class _ReadOnlyNotice(logging.Filter):
 logging.getLogger("absl").addFilter(_ReadOnlyNotice())
 
 
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be used (missing, incompatible): one line naming the problem and the fix."""
-
-
-class DamagedCheckpointError(CheckpointError):
-    """A checkpoint whose files cannot be read (truncated, missing): one line naming the step and file
-    (train/checkpoints/repair.py finds, moves aside and falls back from such checkpoints)."""
-
-
 def _handlers() -> dict[str, ocp.CheckpointHandler]:
     return {
         "params": ocp.StandardCheckpointHandler(),
@@ -72,7 +62,7 @@ def _preservation(cfg: CheckpointConfig) -> Any:
         return checkpoint_managers.LatestN(n=cfg.max_to_keep)
     best = checkpoint_managers.BestN(
         get_metric_fn=_best_fn(cfg),
-        reverse=cfg.best_mode == "min",
+        reverse=cfg.best_mode == "min",  # the resolved config spells the mode out (train/tasks)
         n=cfg.max_to_keep,
         keep_checkpoints_without_metrics=False,
     )
@@ -90,7 +80,8 @@ def latest_step(workdir: Path) -> int | None:
 
 
 def _best_fn(cfg: CheckpointConfig) -> Any:
-    return (lambda metrics: metrics[cfg.best_metric]) if cfg.keep_best else None
+    """Orbax's ranking value of a save's metrics; the run's resolved config names the metric (train/tasks)."""
+    return (lambda metrics: metrics[cfg.best_metric]) if cfg.keep_best and cfg.best_metric else None
 
 
 def _reader(directory: Path, cfg: CheckpointConfig | None = None) -> ocp.CheckpointManager:
@@ -98,7 +89,8 @@ def _reader(directory: Path, cfg: CheckpointConfig | None = None) -> ocp.Checkpo
     # setting that would write, i.e. its defaults save_interval_steps=1 and create=True.
     options = ocp.CheckpointManagerOptions(
         read_only=True, save_interval_steps=0, create=False, enable_async_checkpointing=False,
-        best_fn=_best_fn(cfg) if cfg is not None else None, best_mode=cfg.best_mode if cfg is not None else "max",
+        best_fn=_best_fn(cfg) if cfg is not None else None,
+        best_mode=(cfg.best_mode if cfg is not None else None) or "max",
     )
     return ocp.CheckpointManager(directory.absolute(), options=options, item_handlers=_handlers())
 
@@ -114,7 +106,7 @@ class Checkpoints:
             preservation_policy=_preservation(cfg),
             # best_fn makes Orbax record each save's metrics in the checkpoint, so the best is known later.
             best_fn=_best_fn(cfg),
-            best_mode=cfg.best_mode,
+            best_mode=cfg.best_mode or "max",
             # Leftovers of a save that was killed halfway are never reported as checkpoints; remove them.
             cleanup_tmp_directories=True,
         )
@@ -208,34 +200,6 @@ def read_run_config(workdir: Path) -> Config:
         raise CheckpointError(f"{path} is not a valid run config ({err}): restore it from the run") from None
 
 
-def load_for_inference(workdir: Path | str, step: int | None = None) -> tuple[Config, Any, Tokenizer, list[str]]:
-    """(resolved config, params, tokenizer, label names) of a trained run, restored onto one device.
-
-    Uses `step`, else the best checkpoint when the run kept the best ones, else the latest.
-    Raises CheckpointError (one line) when the workdir has no run or no checkpoint.
-    """
-    workdir = Path(workdir)
-    if not workdir.is_dir():
-        raise CheckpointError(f"workdir {workdir} does not exist: pass the --workdir of a trained run")
-    config = read_run_config(workdir)
-    tokenizer = load_tokenizer(workdir / TOKENIZER_DIR)
-    if latest_step(workdir) is None:
-        raise CheckpointError(f"no checkpoint in {workdir}: train first with python -m train "
-                              f"--config CONFIG --workdir {workdir}")
-    with _reader(workdir / CHECKPOINT_DIR, config.checkpoint) as manager:
-        if step is None:
-            step = best_or_latest(manager, config.checkpoint)
-        model = task_for(config).build_model(config.model)  # a classifier, or MaskedLM for task=mlm
-        shapes = jax.eval_shape(lambda: init_params(model, 0, config.data.buckets[-1]))
-        check_compatible(workdir, step, shapes)
-        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-        target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=device), shapes)
-        restored = manager.restore(step, args=ocp.args.Composite(
-            params=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()
-        ))
-    return config, restored["params"], tokenizer, list(restored["meta"]["label_names"])
-
-
 def inference_state(model: nn.Module, params: Any) -> TrainState:
     """A TrainState for `eval_step` that carries no optimizer state (evaluate/predict)."""
     return TrainState.create(apply_fn=model.apply, params=params, tx=optax.identity(), lr_schedule=lambda _: 0.0)
@@ -244,7 +208,7 @@ def inference_state(model: nn.Module, params: Any) -> TrainState:
 def best_or_latest(manager: ocp.CheckpointManager, cfg: CheckpointConfig) -> int:
     """The best checkpoint by `cfg.best_metric` when keeping the best (the manager must have been opened
     with that config), else the newest."""
-    step = manager.best_step() if cfg.keep_best else None
+    step = manager.best_step() if cfg.keep_best and cfg.best_metric else None
     if step is None:
         step = manager.latest_step()
     if step is None:

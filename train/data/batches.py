@@ -6,7 +6,7 @@ state travels in every checkpoint (`state()` is saved, `restore()` receives it o
 source has none, because its batches are a pure function of (seed, step).
 
 Batch dicts hold host numpy arrays: tokens int32[N, L], valid_tokens bool[N, L] (True = real token, real
-tokens first) and the task's targets (train/tasks/__init__.py); N is this process's rows.
+tokens first) and the task's targets (train/tasks/base.py); N is this process's rows.
 """
 
 from __future__ import annotations

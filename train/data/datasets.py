@@ -22,9 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-
-class DataError(ValueError):
-    """A data problem: the message is one line naming the problem and the fix."""
+from train.errors import DataError  # re-exported: the data modules' one error
 
 
 @dataclass(frozen=True)

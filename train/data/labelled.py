@@ -133,8 +133,10 @@ def _encode_split(tok: Tokenizer, texts: list[str], labels: np.ndarray, max_len:
     return Split(tokens, np.asarray(labels, np.int32), texts, tok.pad_id), truncated
 
 
-def load_dataset(cfg: DataConfig, tokenizer_dir: Path | None = None, tokenizer: Tokenizer | None = None) -> Dataset:
-    """Load `cfg.source`, split it (seeded by cfg.split_seed), tokenize and truncate each split.
+def load_dataset(cfg: DataConfig, tokenizer_dir: Path | None = None, tokenizer: Tokenizer | None = None,
+                 examples: Examples | None = None) -> Dataset:
+    """Load `cfg.source` (or take `examples`, a task's own reading of it), split it (seeded by
+    cfg.split_seed), tokenize and truncate each split.
 
     `tokenizer` (a pretrained checkpoint's, see train/init_from/) is used as given; else if
     `tokenizer_dir` holds a saved tokenizer it is loaded (resume, evaluate); otherwise one is built
@@ -143,7 +145,7 @@ def load_dataset(cfg: DataConfig, tokenizer_dir: Path | None = None, tokenizer: 
     if cfg.max_len > cfg.buckets[-1]:
         raise DataError(f"data.max_len={cfg.max_len} exceeds the largest bucket {cfg.buckets[-1]}: add a bucket "
                         ">= max_len to data.buckets or lower data.max_len")
-    ex = _examples(cfg)
+    ex = examples if examples is not None else _examples(cfg)
     parts = split_indices(len(ex.texts), cfg.split, cfg.split_seed)
     train_texts = [ex.texts[i] for i in parts[0]]
     tok = tokenizer if tokenizer is not None else _tokenizer(cfg, train_texts, tokenizer_dir)

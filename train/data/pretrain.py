@@ -56,14 +56,12 @@ class CorpusData:
     tokenizer: Tokenizer
     masking: MaskingSpec
     description: str
-    unigram_accuracy: float = float("nan")  # set once the held-out stream is built (train/run.py)
     label_names: list[str] = field(default_factory=list)
     truncated: dict[str, int] = field(default_factory=dict)
 
     def summary(self) -> str:
         return (f"data: {self.description}; tokenizer {self.tokenizer.kind} (vocab {self.tokenizer.vocab_size}, "
-                f"mask id {self.masking.mask_id}); masked-token accuracy of the unigram baseline "
-                f"{self.unigram_accuracy:.4f}")
+                f"mask id {self.masking.mask_id})")
 
 
 def _cache(cfg: DataConfig) -> Path:

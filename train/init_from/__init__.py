@@ -24,25 +24,26 @@ Errors are one-line ConfigErrors (exit 2) raised before anything is written.
 from __future__ import annotations
 
 import json
-import re
 import shutil
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import jax
 import numpy as np
-import yaml
-from pydantic import ValidationError
 
-from jaxblock.config import EncoderConfig, format_validation_error
+from jaxblock.config import EncoderConfig
 from jaxblock.model import stack_layer_params, unstack_layer_params
-from train.checkpoints.store import CHECKPOINT_DIR, CONFIG_FILE, TOKENIZER_DIR, _reader, read_run_config
+from train.checkpoints.store import read_run_config
 from train.config import Config, ConfigError, config_from_dict, parse_override
-from train.data.datasets import DataError
-from train.data.tokenizer import Tokenizer, load_tokenizer
+from train.data.tokenizer import Tokenizer
+from train.init_from.hf import hf_source
+from train.init_from.run_source import run_source
+from train.init_from.source import HF_PREFIX, Source, encoder_config
 
-HF_PREFIX = "hf:"
+__all__ = ["FREE_KEYS", "HF_PREFIX", "INIT_DIR", "SOURCES", "Source", "adopt", "check_vocab", "conform", "copy_files",
+           "drop_file_shape", "graft", "load_source"]
+
 INIT_DIR = "init"  # <workdir>/init/: the source's config and license, copied when the run starts
 
 # Keys of `model` (dotted below it) that neither change a parameter's shape nor what the pretrained
@@ -53,19 +54,6 @@ FREE_KEYS = frozenset({
     "block.attn_dropout", "block.ffn_dropout", "block.residual_dropout", "block.attention",
     "block.attn_chunk_size", "block.fused_qkv", "block.dtype", "block.param_dtype", "block.init",
 })
-_ENCODER_KEYS = frozenset(EncoderConfig.model_fields)
-
-
-@dataclass
-class Source:
-    """What a run takes from its `model.init_from` checkpoint."""
-
-    spec: str
-    model: EncoderConfig  # the checkpoint's config; its max_len is the positions it holds
-    tokenizer: Tokenizer | None  # None on resume: the run's own tokenizer/ is used
-    encoder: Any = None  # host float32 numpy params of `Encoder` (plain tree); None on resume
-    files: dict[str, Path] = field(default_factory=dict)  # name in <workdir>/init/ -> file to copy
-    record: dict[str, Any] = field(default_factory=dict)  # what run.json records about it
 
 
 def _flat(tree: dict[str, Any]) -> dict[str, Any]:
@@ -171,79 +159,13 @@ def load_source(spec: str, workdir: Path, *, resuming: bool) -> Source:
     own config.yaml in `workdir` stands for it (nothing of the source is read). ConfigError if unusable."""
     if resuming:
         saved = read_run_config(workdir).model
-        return Source(spec, _encoder_config(saved.model_dump(mode="json"), spec), None)
-    if spec.startswith(HF_PREFIX):
-        return _hf_source(spec)
-    return _run_source(spec)
+        return Source(spec, encoder_config(saved.model_dump(mode="json"), spec), None)
+    load = next(loader for prefix, loader in SOURCES if spec.startswith(prefix))
+    return load(spec)
 
 
-def _encoder_config(model: dict[str, Any], spec: str) -> EncoderConfig:
-    try:
-        return EncoderConfig.model_validate({k: v for k, v in model.items() if k in _ENCODER_KEYS})
-    except ValidationError as err:
-        raise ConfigError(f"model.init_from={spec}: its model config is invalid ({format_validation_error(err)})"
-                          ) from None
-
-
-def _run_source(spec: str) -> Source:
-    match = re.fullmatch(r"(.*)@(\d+)", spec)
-    path, step = (Path(match[1]), int(match[2])) if match else (Path(spec), None)
-    fix = "pass a run's --workdir (or <workdir>@<step>), or hf:<dir> for a transformers checkpoint"
-    if not path.is_dir():
-        raise ConfigError(f"model.init_from={spec}: {path} is not a directory: {fix}")
-    if not (path / CONFIG_FILE).is_file():
-        if (path / "config.json").is_file():
-            fix = f"it holds config.json, so write model.init_from=hf:{path} for a transformers checkpoint"
-        raise ConfigError(f"model.init_from={spec}: {path} holds no run ({CONFIG_FILE} missing): {fix}")
-    try:
-        raw = yaml.safe_load((path / CONFIG_FILE).read_text()) or {}
-    except yaml.YAMLError:
-        raise ConfigError(f"model.init_from={spec}: {path / CONFIG_FILE} is not valid YAML: restore it") from None
-    model = _encoder_config(raw.get("model") or {}, spec)
-    try:
-        tokenizer = load_tokenizer(path / TOKENIZER_DIR)
-    except DataError as err:
-        raise ConfigError(f"model.init_from={spec}: {err}") from None
-    step, params = _restore_params(path, step, spec)
-    if not isinstance(params, dict) or "encoder" not in params:
-        raise ConfigError(f"model.init_from={spec}: checkpoint {step} holds no encoder parameters: start from a "
-                          "classifier or masked-LM run")
-    return Source(spec, model, tokenizer, jax.tree.map(np.asarray, params["encoder"]),
-                  {CONFIG_FILE: path / CONFIG_FILE}, {"kind": "run", "path": str(path.absolute()), "step": step})
-
-
-def _restore_params(path: Path, step: int | None, spec: str) -> tuple[int, Any]:
-    """(step, params) of checkpoint `step` (default: the latest) of the run in `path`, on the host."""
-    import orbax.checkpoint as ocp
-
-    directory = path / CHECKPOINT_DIR
-    steps = []
-    if directory.is_dir():
-        with _reader(directory) as manager:
-            steps = sorted(manager.all_steps())
-    if not steps:
-        raise ConfigError(f"model.init_from={spec}: {path} has no checkpoint: train it first, or pass another run")
-    if step is None:
-        step = steps[-1]
-    elif step not in steps:
-        raise ConfigError(f"model.init_from={spec}: {path} has no checkpoint {step} (it has {steps}): pick one of them")
-    cpu = jax.sharding.SingleDeviceSharding(jax.local_devices(backend="cpu")[0])
-    with _reader(directory) as manager:
-        try:
-            meta = manager.item_metadata(step)["params"]
-            tree = getattr(meta, "tree", meta)
-            target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype, sharding=cpu), tree)
-            restored = manager.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(target)))
-        except Exception as err:  # Orbax raises assorted errors for unreadable checkpoints
-            raise ConfigError(f"model.init_from={spec}: checkpoint {step} is unreadable ({err.__class__.__name__}): "
-                              "pick another step (<workdir>@<step>)") from None
-    return step, restored["params"]
-
-
-def _hf_source(spec: str) -> Source:
-    from train.init_from.hf import hf_source
-
-    return hf_source(spec)
+# The source table: the first entry whose prefix `model.init_from` starts with loads it.
+SOURCES: tuple[tuple[str, Callable[[str], Source]], ...] = ((HF_PREFIX, hf_source), ("", run_source))
 
 
 # --- the weights --------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from jaxblock.config import EncoderConfig
 from train.config import ConfigError
 from train.data.tokenizer import PretrainedTokenizer
-from train.init_from import HF_PREFIX, Source
+from train.init_from.source import HF_PREFIX, Source
 
 _PAD_TOKENS = ("[PAD]", "<pad>", "<|pad|>")
 

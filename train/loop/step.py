@@ -1,4 +1,4 @@
-"""The pure train and eval steps: (state, batch, rng) -> (state, metrics), for any task (train/tasks/__init__.py).
+"""The pure train and eval steps: (state, batch, rng) -> (state, metrics), for any task (train/tasks/base.py).
 
 `gradient_step` is the one place a gradient is taken and applied; the trainer's step, the Pre-LN/Post-LN
 study and the benchmarks all go through it. Steps are compiled in one place (train/devices/runners.py). With
@@ -78,7 +78,7 @@ def train_step(
 
 def eval_step(task: Task, state: Any, batch: Batch, axis_name: str | None = None) -> Metrics:
     """Inference mode: train=False (no dropout) and no gradients. Returns the task's sums, which an
-    evaluation adds over batches (train/loop/trainer.py `evaluate`)."""
+    evaluation adds over batches (train/evaluation.py)."""
     task.check_batch(batch)
     sums = task.sums(task.apply(state.apply_fn, state.params, batch, train=False, rng=None), batch)
     if axis_name is not None:

@@ -1,7 +1,7 @@
 """One writer per workdir: an OS advisory lock on `<workdir>/.lock`, held for as long as a command writes there.
 
 Training, and `evaluate`/`predict` when they write into the workdir, take the lock; commands that only read
-(schema, reading metrics, `load_for_inference`) do not. The lock is `fcntl.flock` on an open file
+(schema, reading metrics, `restore_run`) do not. The lock is `fcntl.flock` on an open file
 descriptor: the kernel drops it when the descriptor closes, which includes every way a process can end
 (return, exception, SIGKILL, OOM kill), so a killed run never leaves a stale lock and the next run needs no
 cleanup. The lock file itself is never deleted (deleting it while another process waits on it would let two
@@ -32,11 +32,9 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from train.errors import WorkdirBusyError
+
 LOCK_FILE = ".lock"
-
-
-class WorkdirBusyError(RuntimeError):
-    """Another live process holds the workdir (exit code 2): one line naming the holder and the fix."""
 
 
 def describe_holder(workdir: Path | str) -> dict[str, Any]:

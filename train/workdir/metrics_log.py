@@ -1,53 +1,23 @@
-"""What a run records: JSONL metrics, TensorBoard events, a progress bar, the end-of-run curves, and the
-per-session metadata (versions, devices, git commit) that goes into run.json.
-
-Files in the workdir: `metrics.jsonl` (one JSON object per line: step, split, values), `tb/` (TensorBoard
-event files, tags `split/name`), `curves.png`. Every (split, step) is recorded exactly once: a resumed
+"""What a run records per step: `metrics.jsonl` (one JSON object per line: step, split, values) and
+`tb/` (TensorBoard event files, tags `split/name`). Every (split, step) is recorded exactly once: a resumed
 run first drops whatever an interrupted run wrote past the restored step (it will be recomputed), and
 never writes a (split, step) that is already there.
 """
 
 from __future__ import annotations
 
-import errno
 import json
 import math
 import os
-import socket
 import struct
-import subprocess
-import sys
 import time
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from tqdm import tqdm
+from train.workdir.files import atomic_write, no_space
 
 JSONL_FILE = "metrics.jsonl"
 TB_DIR = "tb"
-CURVES_FILE = "curves.png"
-
-
-# errno values that mean "no room to write": a full disk, a quota, a file-size limit (RLIMIT_FSIZE).
-_NO_SPACE = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
-
-
-class DiskFullError(OSError):
-    """No room to write a run file (exit code 2): one line naming the file and the fix. Whatever was being
-    written was rolled back, so rerunning the same command once there is space continues the run."""
-
-    def __str__(self) -> str:
-        return str(self.strerror)
-
-
-def no_space(err: OSError, path: Path | str) -> DiskFullError | None:
-    """A DiskFullError for `err` when it means the disk (or quota, or file-size limit) is full, else None."""
-    if err.errno not in _NO_SPACE:
-        return None
-    return DiskFullError(err.errno, f"disk full while writing {Path(path).name} in {Path(path).parent} "
-                                    f"({os.strerror(err.errno or 0)}): free space and rerun the same command "
-                                    "to continue")
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -63,23 +33,6 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
         if isinstance(record, dict) and "step" in record and "split" in record:
             records.append(record)
     return records
-
-
-def atomic_write(path: Path, data: bytes | str) -> None:
-    """Write a whole file or nothing: a kill mid-write leaves the previous version in place."""
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data.encode() if isinstance(data, str) else data)
-            f.flush()
-            os.fsync(f.fileno())
-    except OSError as err:
-        tmp.unlink(missing_ok=True)  # the previous version stays; a partial copy would only use space
-        full = no_space(err, path)
-        if full is None:
-            raise
-        raise full from None
-    os.replace(tmp, path)
 
 
 def read_event_records(path: Path) -> list[tuple[bytes, Any]]:
@@ -117,38 +70,6 @@ def truncate_events(directory: Path, last_step: int) -> set[tuple[str, int]]:
         if len(kept) != len(records) or sum(len(raw) for raw, _ in records) != path.stat().st_size:
             atomic_write(path, b"".join(raw for raw, _ in kept))
     return kept_pairs
-
-
-def _git_commit() -> str | None:
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True,
-                             text=True, timeout=5, check=False)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out.stdout.strip() or None
-
-
-def run_metadata(start_step: int) -> dict[str, Any]:
-    """One session's record for run.json: when, what ran it, versions, devices, git commit."""
-    import flax
-    import jax
-    import numpy as np
-    import optax
-    import orbax.checkpoint
-
-    return {
-        "started": datetime.now(UTC).isoformat(timespec="seconds"),
-        "start_step": start_step,
-        "argv": sys.argv,
-        "host": socket.gethostname(),
-        "python": sys.version.split()[0],
-        "versions": {"jax": jax.__version__, "flax": flax.__version__, "optax": optax.__version__,
-                     "orbax-checkpoint": orbax.checkpoint.__version__, "numpy": np.__version__},
-        "backend": jax.default_backend(),
-        "devices": [str(d) for d in jax.devices()],
-        "process_count": jax.process_count(),
-        "git_commit": _git_commit(),
-    }
 
 
 class MetricsLog:
@@ -247,56 +168,3 @@ class MetricsLog:
                 self._fd = None
             assert self._tb is not None
             self._tb.close()
-
-
-class Progress:
-    """A tqdm bar on stderr with loss/accuracy/tokens per second; its ETA comes from tqdm."""
-
-    def __init__(self, total: int, start: int, *, bar: bool, lines: bool, stream: Any = None):
-        """bar: show the bar; lines: print `write` lines (False on non-primary processes: they say nothing);
-        stream: where both go (default sys.stderr)."""
-        self.lines = lines
-        self.stream = stream if stream is not None else sys.stderr
-        self.bar = tqdm(total=total, initial=start, disable=not bar, file=self.stream, unit="step",
-                        dynamic_ncols=True, leave=True)
-
-    def update(self, steps: int, values: dict[str, float]) -> None:
-        self.bar.set_postfix({k: f"{v:.4g}" for k, v in values.items()}, refresh=False)
-        self.bar.update(steps)
-
-    def write(self, line: str) -> None:
-        if self.lines:
-            self.bar.write(line, file=self.stream)
-
-    def close(self) -> None:
-        self.bar.close()
-
-
-def plot_curves(workdir: Path) -> Path | None:
-    """Training and validation loss and accuracy by step, from metrics.jsonl, into curves.png."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    records = read_jsonl(Path(workdir) / JSONL_FILE)
-    if not records:
-        return None
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for ax, name in zip(axes, ("loss", "accuracy"), strict=True):
-        for split, style in (("train", "-"), ("val", "o-")):
-            points = [(r["step"], r[name]) for r in records
-                      if r["split"] == split and isinstance(r.get(name), float)]
-            if points:
-                xs, ys = zip(*sorted(points), strict=True)
-                ax.plot(xs, ys, style, label=split, markersize=3)
-        ax.set_xlabel("step")
-        ax.set_ylabel(name)
-        ax.grid(alpha=0.3)
-        ax.legend()
-    fig.suptitle(Path(workdir).name)
-    fig.tight_layout()
-    out = Path(workdir) / CURVES_FILE
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
-    return out
