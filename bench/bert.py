@@ -97,6 +97,14 @@ class TorchFineTune:
                        "attention_mask": torch.from_numpy(batch["valid_tokens"].astype(np.int64)),
                        "labels": torch.from_numpy(batch["labels"].astype(np.int64))}
 
+    def eval_loss(self) -> float:
+        """The loss in eval mode (no dropout): equal to ours when both hold the same weights and batch."""
+        self.model.eval()
+        with self.torch.no_grad():
+            loss = float(self.model(**self.inputs).loss)
+        self.model.train()
+        return loss
+
     def __call__(self) -> None:
         self.opt.zero_grad(set_to_none=True)
         loss = self.model(**self.inputs).loss
@@ -129,6 +137,12 @@ class OursFineTune:
 
         self.compiled = jax.jit(step, donate_argnums=(0,)).lower(self.state, self.batch).compile()
         self.loss = 0.0
+        self.task = task
+
+    def eval_loss(self) -> float:
+        """The loss in eval mode (no dropout), as the trainer's evaluation computes it."""
+        logits = self.task.apply(self.state.apply_fn, self.state.params, self.batch, train=False, rng=None)
+        return float(self.task.loss(logits, self.batch))
 
     def __call__(self) -> None:
         self.state, metrics = self.compiled(self.state, self.batch)
@@ -154,8 +168,10 @@ def section(ctx: Context, source: str | None = None) -> list[Record]:
         batch = make_batch(n, length, vocab)
         ours = OursFineTune(Path(tmp), batch)
         theirs = TorchFineTune(Path(tmp), batch)
+    # Same weights, same batch: the eval-mode losses agree to float32 rounding (dropout's masks differ).
+    eval_loss = {"ours": ours.eval_loss(), "transformers": theirs.eval_loss()}
     ours()
-    theirs()  # same weights, same batch: the first losses agree up to dropout's different masks
+    theirs()
     first = {"ours": ours.loss, "transformers": theirs.loss}
     fns: dict[str, Any] = {"ours": ours, "transformers": theirs}
     if ctx.dtype in ctx.probe:
@@ -174,9 +190,11 @@ def section(ctx: Context, source: str | None = None) -> list[Record]:
     out = []
     for name, ts in times.items():
         m: dict[str, Any] = {"tokens_per_s": real / med[name], "gflop_per_s": flops / med[name] / 1e9,
-                             "first_loss": first[name], **ctx.fraction(flops / med[name], peak_now)}
+                             "first_loss": first[name], "eval_loss": eval_loss[name],
+                             **ctx.fraction(flops / med[name], peak_now)}
         if name == "ours":
             m["ratio"] = med["transformers"] / med[name]
+            m["eval_loss_rel_diff"] = abs(eval_loss["ours"] - eval_loss["transformers"]) / eval_loss["transformers"]
         out.append(Record.from_times("bert", f"{name} {shape}", config, ts, **m))
     return records + out
 

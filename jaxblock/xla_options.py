@@ -39,13 +39,13 @@ YNN_FUSION = "xla_cpu_experimental_ynn_fusion_type"  # which HLO ops XNNPACK's Y
 _YNN_LISTS = frozenset({"", "dot", "dot,eltwise", "dot,reduce", "dot,eltwise,reduce", "+eltwise", "+reduce",
                         "+eltwise,+reduce"})
 
-# CPU kind -> XLA options. Greedy XNNPACK graph fusion hands whole dot+elementwise subgraphs to XNNPACK
-# (float32 kept float32): -20..-24% on the training step on an Intel Xeon (Emerald Rapids) and on an AMD
-# EPYC with AVX-512 (docs/performance-cpu.md has the measured table). Kinds without a measurement get
-# nothing: XLA's defaults.
+# CPU kind -> XLA options, from measurements (docs/performance-cpu.md). Intel AVX-512 (Emerald Rapids): greedy
+# XNNPACK graph fusion measured -20..-24% on the training step in one run each. AMD AVX-512 (EPYC, jaxlib
+# 0.10.2): no option beat XLA's defaults; YNN fusion of elementwise ops and reductions was 5-15% slower and the
+# graph-fusion mode compiled to the very same program. Kinds without a measurement keep XLA's defaults.
+# `python -m bench --only options` times the candidates on a new machine (bench/options.py XLA_CANDIDATES).
 OPTIONS: dict[str, dict[str, str]] = {
     "intel-avx512": {GRAPH_FUSION: GREEDY},
-    "amd-avx512": {GRAPH_FUSION: GREEDY},
 }
 
 # jaxlib version prefix -> {option: allowed values (empty: any value)} known to that build (read from its

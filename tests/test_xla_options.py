@@ -39,33 +39,39 @@ def test_flags_parse_and_format_round_trip():
     assert parse_flags(format_flags(parsed)) == parsed
 
 
-@pytest.mark.parametrize("text", [INTEL, AMD])
-def test_applies_the_kinds_set_after_the_users_flags(text):
-    env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
-    chosen = apply(env, cpu=_cpu(text), jaxlib=JAXLIB)
-    expected = xla_options.OPTIONS[_cpu(text).kind]
-    assert expected and chosen.applied == expected and chosen.status == "applied"
-    assert parse_flags(env["XLA_FLAGS"]) == {"xla_force_host_platform_device_count": "2", **expected}
-    assert env["XLA_FLAGS"].startswith("--xla_force_host_platform_device_count=2 ")
-    assert "EPYC" in chosen.describe() or "Xeon" in chosen.describe()
+@pytest.fixture
+def amd_set(monkeypatch):
+    """A two-option set for the AMD kind (its measured set is XLA's defaults: nothing to apply)."""
+    options = {xla_options.YNN_FUSION: "dot", "xla_cpu_use_xnnpack": "true"}
+    monkeypatch.setitem(xla_options.OPTIONS, "amd-avx512", options)
+    return options
 
 
-def test_the_users_own_value_wins_per_flag():
-    name = next(iter(xla_options.OPTIONS["amd-avx512"]))
+def test_applies_the_kinds_set_after_the_users_flags(amd_set):
+    for text, expected in ((INTEL, xla_options.OPTIONS["intel-avx512"]), (AMD, amd_set)):
+        env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+        chosen = apply(env, cpu=_cpu(text), jaxlib=JAXLIB)
+        assert expected and chosen.applied == expected and chosen.status == "applied"
+        assert parse_flags(env["XLA_FLAGS"]) == {"xla_force_host_platform_device_count": "2", **expected}
+        assert env["XLA_FLAGS"].startswith("--xla_force_host_platform_device_count=2 ")
+        assert _cpu(text).model in chosen.describe() and format_flags(expected) in chosen.describe()
+
+
+def test_the_users_own_value_wins_per_flag(amd_set):
+    name = xla_options.YNN_FUSION
     env = {"XLA_FLAGS": f"--{name}=users-choice"}
     chosen = apply(env, cpu=_cpu(AMD), jaxlib=JAXLIB)
-    assert env["XLA_FLAGS"] == f"--{name}=users-choice"  # untouched: ours is not appended after it
-    assert chosen.user_kept == {name: "users-choice"} and name not in chosen.applied
+    assert parse_flags(env["XLA_FLAGS"]) == {name: "users-choice", "xla_cpu_use_xnnpack": "true"}
+    assert chosen.user_kept == {name: "users-choice"} and chosen.applied == {"xla_cpu_use_xnnpack": "true"}
     assert "user's XLA_FLAGS kept" in chosen.describe()
 
 
-def test_an_option_unknown_to_the_installed_jaxlib_is_dropped_not_passed_on(monkeypatch):
-    monkeypatch.setitem(xla_options.OPTIONS, "amd-avx512", {"xla_cpu_no_such_option": "1",
-                                                            **xla_options.OPTIONS["amd-avx512"]})
+def test_an_option_unknown_to_the_installed_jaxlib_is_dropped_not_passed_on(monkeypatch, amd_set):
+    monkeypatch.setitem(xla_options.OPTIONS, "amd-avx512", {"xla_cpu_no_such_option": "1", **amd_set})
     env: dict[str, str] = {}
     chosen = apply(env, cpu=_cpu(AMD), jaxlib=JAXLIB)
     assert chosen.dropped == {"xla_cpu_no_such_option": "1"}
-    assert "xla_cpu_no_such_option" not in env["XLA_FLAGS"]
+    assert "xla_cpu_no_such_option" not in env["XLA_FLAGS"] and chosen.applied == amd_set
     assert known({"xla_cpu_no_such_option": "1"}, JAXLIB) == {"xla_cpu_no_such_option": False}
 
 
@@ -91,7 +97,7 @@ def test_an_unlisted_jaxlib_is_probed_and_the_answer_cached(monkeypatch, tmp_pat
     assert cache == {"--xla_cpu_no_such_option=1": False, "--xla_cpu_use_xnnpack=true": True}
 
 
-def test_switched_off_and_unmeasured_kinds_change_nothing():
+def test_switched_off_and_unmeasured_kinds_change_nothing(amd_set):
     env = {"XLA_FLAGS": "--a=1", xla_options.ENV_SWITCH: "off"}
     assert apply(env, cpu=_cpu(AMD), jaxlib=JAXLIB).status.startswith("off")
     assert env["XLA_FLAGS"] == "--a=1"
