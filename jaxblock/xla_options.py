@@ -2,14 +2,14 @@
 
     from jaxblock import xla_options
     chosen = xla_options.apply()      # before the first jax.devices() / jit call; returns what it did
-    print(chosen.describe())          # e.g. "amd-avx512 (AMD EPYC 9B45): --xla_cpu_...=... [applied]"
+    print(chosen.describe())          # e.g. "Intel(R) Xeon(R) ... [intel-avx512]: --xla_cpu_...=... (applied)"
 
 Importing jaxblock changes nothing: only `apply()` touches `XLA_FLAGS`. `python -m train` and `python -m bench`
 call it at start; `JAXBLOCK_XLA_OPTIONS=off` turns it off for them. The rules:
 
 - The options come from `OPTIONS`, one set per CPU kind (vendor and vector ISA from /proc/cpuinfo), each set
-  measured on that kind of machine (docs/performance-cpu.md). None of them changes numerics: float32 dots
-  stay float32 and no fast-math option is ever set.
+  measured on that kind of machine (docs/performance-cpu.md); a kind without a measurement keeps XLA's
+  defaults. None of them changes numerics: float32 dots stay float32, no fast-math option is ever set.
 - A user's own `XLA_FLAGS` win, flag by flag: an option the user set (to any value) is left as the user set it.
 - XLA aborts the process on an option its build does not know, so every option is checked against the
   installed jaxlib first: from `KNOWN` for the versions it lists, otherwise by starting XLA in a subprocess
@@ -103,7 +103,11 @@ def read_cpu(cpuinfo: str | None = None) -> Cpu:
 def parse_flags(text: str) -> dict[str, str]:
     """'--a=1 --b' -> {'a': '1', 'b': ''} (later wins, as in XLA); tokens that are not flags are ignored."""
     out: dict[str, str] = {}
-    for token in shlex.split(text or ""):
+    try:
+        tokens = shlex.split(text or "")
+    except ValueError:  # an unbalanced quote: XLA itself splits on whitespace
+        tokens = (text or "").split()
+    for token in tokens:
         if token.startswith("--"):
             name, _, value = token[2:].partition("=")
             out[name] = value

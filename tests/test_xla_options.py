@@ -37,6 +37,7 @@ def test_flags_parse_and_format_round_trip():
     parsed = parse_flags("--a=1  --b --c=x,y stray")
     assert parsed == {"a": "1", "b": "", "c": "x,y"}
     assert parse_flags(format_flags(parsed)) == parsed
+    assert parse_flags("--a='1 --b") == {"a": "'1", "b": ""}  # an unbalanced quote never raises
 
 
 @pytest.fixture
