@@ -19,6 +19,7 @@ Exit codes: 0 success, 2 bad usage (one line on stderr).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import sys
@@ -67,9 +68,12 @@ def main(argv: list[str] | None = None) -> int:
         value = getattr(args, flag)
         if value is not None and value < (0 if flag == "warmup" else 1):
             return _usage_error(f"--{flag} {value} is too small: pass a positive count")
-    if args.bert_dir is not None and not (args.bert_dir / "config.json").is_file():
-        return _usage_error(f"--bert-dir {args.bert_dir} holds no config.json: pass a directory written by "
-                            "save_pretrained")
+    bert_dir = args.bert_dir or (Path(os.environ["JAXBLOCK_BERT_DIR"]) if os.environ.get("JAXBLOCK_BERT_DIR") else None)
+    if bert_dir is not None and "bert" in chosen:
+        why = _not_bert(bert_dir)
+        if why:
+            return _usage_error(f"--bert-dir {bert_dir} {why}: pass a BERT checkpoint directory written by "
+                                "save_pretrained")
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     threads = args.threads or cores
     if threads < cores and hasattr(os, "sched_setaffinity"):
@@ -100,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         torch_compile=not (args.no_torch_compile or args.quick),
         spec_peak_flops=args.peak_tflops * 1e12 if args.peak_tflops else None,
     )
-    run = _sections(args.bert_dir)
+    run = _sections(bert_dir)
     meta = _meta(ctx, argv if argv is not None else sys.argv[1:])
     meta |= {"cpu": machine.cpu, "cpu_kind": machine.kind, "xla_options": machine.as_dict()}
     ctx.log(f"machine: {machine.describe()}")
@@ -114,6 +118,15 @@ def main(argv: list[str] | None = None) -> int:
     write_json(records, args.json, meta)
     ctx.log(f"wrote {len(records)} records to {args.json}")
     return 0
+
+
+def _not_bert(directory: Path) -> str | None:
+    """Why `directory` is not a BERT checkpoint the bert section can read, or None."""
+    try:
+        model_type = json.loads((directory / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return "holds no readable config.json"
+    return None if model_type == "bert" else f"holds a {model_type!r} model, not BERT"
 
 
 def _sections(bert_dir: Path | None) -> dict[str, Any]:

@@ -159,6 +159,11 @@ def section(ctx: Context, source: str | None = None) -> list[Record]:
     if ctx.torch_device != "cpu":
         ctx.log("bert: skipped (needs PyTorch on the CPU)")
         return records
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        ctx.log("bert: skipped (transformers is missing: pip install -e '.[hf]')")
+        return records
     source = source or bert_dir_from_env()
     n, length = (4, 16) if ctx.quick else (32, 48)
     with tempfile.TemporaryDirectory(prefix="jaxblock-bench-bert-") as tmp:

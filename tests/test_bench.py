@@ -146,6 +146,15 @@ def test_bad_usage_exits_2_with_one_line(argv, tmp_path, capsys):
         assert "\n" not in err and all(s in err for s in SECTIONS)
 
 
+def test_a_bert_dir_that_is_not_bert_exits_2(tmp_path, capsys):
+    (tmp_path / "llama").mkdir()
+    (tmp_path / "llama" / "config.json").write_text('{"model_type": "llama"}')
+    for bad in (tmp_path, tmp_path / "llama"):
+        assert main(["--only", "bert", "--bert-dir", str(bad), "--json", str(tmp_path / "x.json")]) == 2
+        err = capsys.readouterr().err.strip()
+        assert "\n" not in err and "--bert-dir" in err and not (tmp_path / "x.json").exists()
+
+
 @pytest.mark.slow
 def test_every_section_runs_in_quick_mode(tmp_path):
     out = tmp_path / "all.json"
