@@ -118,6 +118,7 @@ def test_too_late_once_the_backend_started(monkeypatch):
     assert xla_options.current() == chosen
 
 
+@pytest.mark.slow
 def test_importing_jaxblock_leaves_the_environment_alone():
     code = "import os, jaxblock, jaxblock.xla_options; print(os.environ.get('XLA_FLAGS', '<unset>'))"
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
