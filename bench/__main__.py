@@ -5,9 +5,12 @@
     python -m bench --quick                  # tiny shapes and 2 repetitions: seconds (the smoke test)
     bench/gpu.sh                             # NVIDIA GPU, bf16, MFU against --peak-tflops
 
-Sections: peak, train, infer (bench/compare.py), options, packing (bench/options.py), length, width,
+Sections: peak, train, infer (bench/compare.py), bert (bench/bert.py: fine-tuning BERT vs transformers),
+options, packing (bench/options.py), length, width,
 depth, compile (bench/costs.py). Prints a table and writes JSON ({"meta": ..., "records": [...]}, one
-record per measurement: section, name, config, median/min/max seconds, reps, metrics). Timings are
+record per measurement: section, name, config, median/min/max seconds, reps, metrics) and, with every
+table, the CPU model and the XLA option set in effect (jaxblock/xla_options.py; JAXBLOCK_XLA_OPTIONS=off
+for XLA's defaults; your own XLA_FLAGS win flag by flag). Timings are
 medians of --reps calls after --warmup calls, variants interleaved. PyTorch and XLA use the same
 number of threads (--threads, default: every core this process may run on).
 Exit codes: 0 success, 2 bad usage (one line on stderr).
@@ -16,6 +19,7 @@ Exit codes: 0 success, 2 bad usage (one line on stderr).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import sys
@@ -23,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-SECTIONS = ("peak", "train", "infer", "options", "packing", "length", "width", "depth", "compile", "stream")
+SECTIONS = ("peak", "train", "infer", "bert", "options", "packing", "length", "width", "depth", "compile", "stream")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -39,6 +43,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="compute dtype (default float32 on CPU, bfloat16 with --gpu); params stay float32")
     p.add_argument("--peak-tflops", type=float, default=None,
                    help="spec peak of the chip in the compute dtype, for MFU (H100/H200 bf16 dense: 989)")
+    p.add_argument("--bert-dir", type=Path, default=None,
+                   help="bert section: a local pretrained BERT directory (save_pretrained), e.g. all-MiniLM-L6-v2; "
+                        "default $JAXBLOCK_BERT_DIR, else a random BERT of that shape")
     p.add_argument("--no-torch-compile", action="store_true", help="skip torch.compile (slow to compile on CPU)")
     return p
 
@@ -61,11 +68,20 @@ def main(argv: list[str] | None = None) -> int:
         value = getattr(args, flag)
         if value is not None and value < (0 if flag == "warmup" else 1):
             return _usage_error(f"--{flag} {value} is too small: pass a positive count")
+    bert_dir = args.bert_dir or (Path(os.environ["JAXBLOCK_BERT_DIR"]) if os.environ.get("JAXBLOCK_BERT_DIR") else None)
+    if bert_dir is not None and "bert" in chosen:
+        why = _not_bert(bert_dir)
+        if why:
+            return _usage_error(f"--bert-dir {bert_dir} {why}: pass a BERT checkpoint directory written by "
+                                "save_pretrained")
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     threads = args.threads or cores
     if threads < cores and hasattr(os, "sched_setaffinity"):
         # XLA sizes its CPU thread pool from the affinity mask when the backend starts; PyTorch is told below.
         os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:threads])
+    from jaxblock import xla_options
+
+    machine = xla_options.apply()  # before JAX starts its backend: this CPU kind's options, the user's win
 
     import jax
 
@@ -88,24 +104,36 @@ def main(argv: list[str] | None = None) -> int:
         torch_compile=not (args.no_torch_compile or args.quick),
         spec_peak_flops=args.peak_tflops * 1e12 if args.peak_tflops else None,
     )
-    run = _sections()
+    run = _sections(bert_dir)
     meta = _meta(ctx, argv if argv is not None else sys.argv[1:])
+    meta |= {"cpu": machine.cpu, "cpu_kind": machine.kind, "xla_options": machine.as_dict()}
+    ctx.log(f"machine: {machine.describe()}")
     records = []
     for name in [s for s in SECTIONS if s in chosen]:
         ctx.log(f"== {name}")
         records += run[name](ctx)
     meta["loadavg_end"] = os.getloadavg()
     meta["wall_s"] = time.time() - meta["started"]
-    print(format_table(records))
+    print(format_table(records, machine=machine.describe()))
     write_json(records, args.json, meta)
     ctx.log(f"wrote {len(records)} records to {args.json}")
     return 0
 
 
-def _sections() -> dict[str, Any]:
-    from bench import compare, costs, options, stream
+def _not_bert(directory: Path) -> str | None:
+    """Why `directory` is not a BERT checkpoint the bert section can read, or None."""
+    try:
+        model_type = json.loads((directory / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return "holds no readable config.json"
+    return None if model_type == "bert" else f"holds a {model_type!r} model, not BERT"
 
-    return {"peak": compare.peak, "train": compare.train, "infer": compare.infer, "options": options.options,
+
+def _sections(bert_dir: Path | None) -> dict[str, Any]:
+    from bench import bert, compare, costs, options, stream
+
+    return {"peak": compare.peak, "train": compare.train, "infer": compare.infer,
+            "bert": lambda ctx: bert.section(ctx, str(bert_dir) if bert_dir else None), "options": options.options,
             "packing": options.packing, "length": costs.length, "width": costs.width, "depth": costs.depth,
             "compile": costs.compile_time, "stream": stream.section}
 

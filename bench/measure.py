@@ -134,8 +134,9 @@ _SHOWN = ("tokens_per_s", "ratio", "speedup", "ratio_vs_first", "gflop_per_s", "
           "xla_peak_bytes", "rss_peak_bytes", "impl", "note")
 
 
-def format_table(records: list[Record]) -> str:
-    """A plain-text table: one row per record, the headline metrics only (the JSON has everything)."""
+def format_table(records: list[Record], machine: str = "") -> str:
+    """A plain-text table: one row per record, the headline metrics only (the JSON has everything), under a
+    line naming the machine (CPU model and XLA options) when given, so a figure can be traced to it."""
     rows: list[tuple[str, ...]] = [("section", "name", "median", "min", "max", *_SHOWN)]
     for r in records:
         cells = []
@@ -149,7 +150,7 @@ def format_table(records: list[Record]) -> str:
     widths = [max(len(row[i]) for row in rows) for i in keep]
     lines = ["  ".join(row[i].ljust(w) for i, w in zip(keep, widths, strict=True)).rstrip() for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+    return "\n".join(([f"machine: {machine}"] if machine else []) + lines)
 
 
 def write_json(records: list[Record], path: Path, meta: dict[str, Any]) -> None:

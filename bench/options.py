@@ -4,7 +4,10 @@ options  the training step at the first benchmark shape (Pre-LN) with one option
          fused QKV off, attention kernel (unfused, chunked), scan over layers, remat (full, dots),
          bf16 compute (float32 params; float32 softmax and norm statistics), no buffer donation,
          and the block without `settle_gradient` (jaxblock/cpu_residual_gradient.py: the residual gradient stored once
-         per residual point instead of re-derived by each consumer fusion; swapped for an identity here).
+         per residual point instead of re-derived by each consumer fusion; swapped for an identity here),
+         and the XLA CPU compiler options of XLA_CANDIDATES (each on top of the run's own set, one at a
+         time; those the installed jaxlib does not know are left out): how to choose a new CPU kind's row
+         of jaxblock/xla_options.py OPTIONS.
          Remat on unrolled layers recomputes but saves no memory on XLA's CPU backend (its scheduler
          runs the recomputation early), so remat is measured with scan too.
          `speedup` = default median / variant median (> 1: the option is faster).
@@ -29,8 +32,18 @@ from bench.context import Context
 from bench.measure import Record, compiled_memory, peak_rss, time_interleaved
 from bench.workloads import OursTrain, init_params, make_inputs, stack_config
 from jaxblock import cpu_residual_gradient as settle_gradient
+from jaxblock import xla_options
 
 ROOT = Path(__file__).resolve().parent.parent
+_TYPES = "LIBRARY_FUSION_TYPE_"
+# name -> XLA compiler options (the typed spelling compile() takes; the XLA_FLAGS spelling is in the name).
+XLA_CANDIDATES: dict[str, dict[str, Any]] = {
+    f"xla {xla_options.YNN_FUSION}=": {xla_options.YNN_FUSION: ""},
+    f"xla {xla_options.YNN_FUSION}=dot,eltwise,reduce": {
+        xla_options.YNN_FUSION: f"{_TYPES}DOT,{_TYPES}ELTWISE,{_TYPES}REDUCE"},
+    f"xla {xla_options.GRAPH_FUSION}=GREEDY": {xla_options.GRAPH_FUSION: xla_options.GREEDY},
+}
+_FLAG_SPELLING = {xla_options.YNN_FUSION: {"": "", f"{_TYPES}DOT,{_TYPES}ELTWISE,{_TYPES}REDUCE": "dot,eltwise,reduce"}}
 
 
 def options(ctx: Context) -> list[Record]:
@@ -62,6 +75,15 @@ def options(ctx: Context) -> list[Record]:
             steps[name] = OursTrain(cfg, params, x, valid, donate=donate)
         configs[name] = {**shape.as_dict(), "scan": scan, "remat": remat, "donate": donate,
                          "settle_gradient": settle, **opts}
+    for name, compiler_options in XLA_CANDIDATES.items():
+        spelled = {k: _FLAG_SPELLING.get(k, {}).get(v, v) for k, v in compiler_options.items()}
+        if not all(xla_options.known(spelled).values()):
+            ctx.log(f"options {name}: unknown to this jaxlib, left out")
+            continue
+        ctx.log(f"options {name}: compiling")
+        cfg = stack_config(shape, dtype=ctx.dtype)
+        steps[name] = OursTrain(cfg, params, x, valid, compiler_options=compiler_options)
+        configs[name] = {**shape.as_dict(), "xla_options": spelled}
     with peak_rss():
         times = time_interleaved(dict(steps), reps=ctx.reps, warmup=ctx.warmup)
     base = float(np.median(times["default"]))

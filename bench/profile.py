@@ -4,6 +4,7 @@ and elementwise work.
     python -m bench.profile                 # the D=512 benchmark shape (N=8, L=256, H=8, F=2048, B=4)
     python -m bench.profile --shape 0       # the D=256 shape
     python -m bench.profile --attention chunked --length 4096 --batch 1
+    python -m bench.profile --bert          # the BERT fine-tuning step of `python -m bench --only bert`
 
 Runs the step under `jax.profiler.trace` with XLA's per-op trace events on, then maps each event
 back to its HLO instruction: a fusion whose metadata names `dot_general` is a matmul, `copy` and
@@ -28,12 +29,14 @@ import re
 import sys
 import tempfile
 import time
+from typing import Any
 
 import jax
 
 from bench.context import CPU_SHAPES
 from bench.flops import train_flops
 from bench.workloads import OursTrain, Shape, init_params, make_inputs, stack_config
+from jaxblock import xla_options
 
 _INSTR = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = ")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
@@ -62,7 +65,7 @@ def describe(hlo_text: str) -> dict[str, tuple[str, str]]:
     return kinds
 
 
-def profile_step(step: OursTrain, steps: int = 3) -> tuple[dict[str, float], list[tuple[float, str, str]]]:
+def profile_step(step: Any, steps: int = 3) -> tuple[dict[str, float], list[tuple[float, str, str]]]:
     """(ms per step per group, every op as (ms, name, group and what it is), heaviest first) from `steps`
     traced calls."""
     step()  # warm
@@ -98,24 +101,48 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--remat", default="none", choices=("none", "full", "dots"))
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--scan", action="store_true", help="scan over layers")
+    p.add_argument("--bert", action="store_true", help="profile the BERT fine-tuning step (bench/bert.py) instead")
     p.add_argument("--xla", action="append", default=[], metavar="KEY=VALUE",
                    help="an XLA compiler option for this compile, e.g. xla_cpu_experimental_ynn_fusion_type=")
     try:
         args = p.parse_args(argv)
     except SystemExit as exit_:
         return 0 if exit_.code == 0 else 2
+    xla_options.apply()  # this CPU kind's option set (as python -m bench and python -m train), before XLA starts
+    if args.bert:
+        return _bert()
     base = CPU_SHAPES[args.shape]
     shape = Shape(args.batch or base.n, args.length or base.length, base.d, base.h, base.f, base.k)
     cfg = stack_config(shape, scan=args.scan, remat=args.remat, attention=args.attention, dtype=args.dtype)
     x, valid = make_inputs(shape)
     options = dict(kv.split("=", 1) for kv in args.xla)
     step = OursTrain(cfg, init_params(cfg, shape), x, valid, compiler_options=options or None)
+    _report(step, train_flops(cfg, shape.n, shape.length),
+            f"{shape.label} H{shape.h} F{shape.f} attention={args.attention} remat={args.remat} scan={args.scan} "
+            f"{args.dtype}")
+    return 0
+
+
+def _bert() -> int:
+    """The BERT fine-tuning step (random MiniLM-shaped weights, batch 32 x 48, dropout 0.1)."""
+    import json
+    from pathlib import Path
+
+    from bench.bert import OursFineTune, checkpoint, make_batch
+
+    with tempfile.TemporaryDirectory() as d:
+        checkpoint(Path(d), quick=False, source=None)
+        vocab = int(json.loads((Path(d) / "config.json").read_text())["vocab_size"])
+        step = OursFineTune(Path(d), make_batch(32, 48, vocab))
+    _report(step, train_flops(step.config, 32, 48), "BERT 6x D384 N32 L48 dropout 0.1")
+    return 0
+
+
+def _report(step: Any, flops: int, title: str) -> None:
     groups, top = profile_step(step)
     wall = groups.pop("step (wall)")
-    flops = train_flops(cfg, shape.n, shape.length)
-    print(f"{shape.label} H{shape.h} F{shape.f} attention={args.attention} remat={args.remat} scan={args.scan} "
-          f"{args.dtype}: "
-          f"step {wall:,.1f} ms, {flops / wall / 1e6:,.1f} GFLOP/s overall")
+    print(f"machine: {xla_options.current().describe()}")
+    print(f"{title}: step {wall:,.1f} ms, {flops / wall / 1e6:,.1f} GFLOP/s overall")
     busy = sum(groups.values())
     for kind, ms in sorted(groups.items(), key=lambda kv: -kv[1]):
         rate = f"  {flops / ms / 1e6:,.1f} GFLOP/s inside matmuls" if kind == "matmul" else ""
@@ -124,7 +151,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"heaviest {group} ops:")
         for ms, name, kind in [t for t in top if t[2].startswith(group)][:6]:
             print(f"  {ms:9,.1f} ms  {name:24s} {kind}")
-    return 0
 
 
 if __name__ == "__main__":

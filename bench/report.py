@@ -34,12 +34,17 @@ def summarize(data: dict[str, Any]) -> str:
     out = [f"`{meta['command'].strip()}` on {meta['processor']} ({meta['device']}), {meta['threads']} threads, "
            f"jax {meta['jax']}, torch {meta['torch']}; load average {meta['loadavg_start'][0]:.1f} at start, "
            f"{meta.get('loadavg_end', [0])[0]:.1f} at end. Medians of {meta['reps']} timed calls.", ""]
+    options = meta.get("xla_options") or {}
+    flags = " ".join(f"--{k}={v}" for k, v in (options.get("applied") or {}).items()) or "XLA defaults"
+    # Under every table: the machine a figure came from (older results files have no CPU record).
+    machine = (f"CPU: {meta.get('cpu', meta['processor'])} [{meta.get('cpu_kind', '?')}]; XLA options: {flags}; "
+               f"XLA_FLAGS: `{meta.get('xla_flags') or '(none)'}`")
 
     def table(title: str, head: list[str], rows: list[list[str]]) -> None:
         if rows:
             out.extend([f"**{title}**", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)])
             out.extend("| " + " | ".join(row) + " |" for row in rows)
-            out.append("")
+            out.extend(["", machine, ""])
 
     peak = [r for r in by.get("peak", []) if r["name"].startswith("jax")]
     table("Matmul peak (GFLOP/s)", ["matmul", "jax", "torch"], [
@@ -67,6 +72,13 @@ def summarize(data: dict[str, Any]) -> str:
         [r["name"].split()[0], f"{r['median']:.1f}",
          next((f"{t['median']:.1f}" for t in by["compile"] if t["name"] == r["name"].replace("scan", "unrolled")), "")]
         for r in by.get("compile", []) if r["name"].endswith("scan")])
+    table("BERT fine-tuning step (ms; ratio = transformers time / ours)",
+          ["model, batch", "ours", "transformers", "ratio", "tokens/s ours", "of matmul peak"], [
+        [r["name"].removeprefix("ours "), _ms(r["median"]),
+         next((_ms(t["median"]) for t in by["bert"] if t["name"] == r["name"].replace("ours", "transformers")), ""),
+         _f(r["metrics"].get("ratio")), _f(r["metrics"].get("tokens_per_s"), ",.0f"),
+         _f(r["metrics"].get("fraction_of_peak"))]
+        for r in by.get("bert", []) if r["name"].startswith("ours")])
     table("What each option buys (speedup vs the default; XLA plan MiB)", ["option", "ms", "speedup", "memory"], [
         [r["name"], _ms(r["median"]), _f(r["metrics"].get("speedup")), _mib(r["metrics"].get("xla_peak_bytes"))]
         for s in ("options", "packing") for r in by.get(s, [])])

@@ -18,8 +18,8 @@ import jax.numpy as jnp
 from jaxblock import masks
 from jaxblock.block import EncoderBlock
 from jaxblock.config import EncoderConfig, StackConfig
-from jaxblock.ffn import gelu_exact
 from jaxblock.cpu_residual_gradient import settled_residuals
+from jaxblock.ffn import gelu_exact
 from jaxblock.initializers import param
 from jaxblock.norms import make_norm
 from jaxblock.positions import sinusoidal_table

@@ -54,6 +54,17 @@ STANDARD = ["parallel.strategy=single", "train.progress=false", "train.steps=10"
             "checkpoint.max_to_keep=5", "train.eval_every=5", "train.log_every=1", "train.diagnostics_every=5"]
 
 
+def pytest_report_header(config: pytest.Config) -> str:
+    """Which XLA option set the tests compile with: the compile-speed flags above, not this machine's
+    performance set (jaxblock/xla_options.py), which `python -m train` subprocesses apply themselves."""
+    from jaxblock import xla_options
+
+    cpu = xla_options.read_cpu()
+    mine = xla_options.format_flags(xla_options.OPTIONS.get(cpu.kind, {})) or "none"
+    flags = os.environ.get("XLA_FLAGS", "")
+    return f"XLA_FLAGS: {flags} | {cpu.model} [{cpu.kind}], performance set not applied: {mine}"
+
+
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int | None:
     """`-n auto` runs the default suite on every core, but a selection with slow cases in one process:

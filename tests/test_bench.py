@@ -163,6 +163,15 @@ def test_bad_usage_exits_2_with_one_line(argv, tmp_path, capsys):
         assert "\n" not in err and all(s in err for s in SECTIONS)
 
 
+def test_a_bert_dir_that_is_not_bert_exits_2(tmp_path, capsys):
+    (tmp_path / "llama").mkdir()
+    (tmp_path / "llama" / "config.json").write_text('{"model_type": "llama"}')
+    for bad in (tmp_path, tmp_path / "llama"):
+        assert main(["--only", "bert", "--bert-dir", str(bad), "--json", str(tmp_path / "x.json")]) == 2
+        err = capsys.readouterr().err.strip()
+        assert "\n" not in err and "--bert-dir" in err and not (tmp_path / "x.json").exists()
+
+
 @pytest.mark.slow
 def test_every_section_runs_in_quick_mode(tmp_path):
     out = tmp_path / "all.json"
@@ -179,6 +188,26 @@ def test_every_section_runs_in_quick_mode(tmp_path):
     assert packing["packed"]["padding_fraction"] < packing["padded (buckets)"]["padding_fraction"]
     compile_names = {r["name"] for r in records if r["section"] == "compile"}
     assert {"B=2 scan", "B=2 unrolled"} <= compile_names
+    bert = {r["name"].split()[0]: r["metrics"] for r in records if r["section"] == "bert"}
+    assert set(bert) == {"ours", "transformers"} and bert["ours"]["ratio"] > 0
+    assert bert["ours"]["eval_loss_rel_diff"] < 1e-4  # the same weights and batch on both sides
+    assert proc.stdout.startswith("machine: ")  # the table names its CPU and XLA option set
+    meta = json.loads(out.read_text())["meta"]
+    assert meta["cpu"] and meta["xla_options"]["kind"] == meta["cpu_kind"]
+
+
+def test_every_table_names_the_machine():
+    from bench.measure import Record, format_table
+    from bench.report import summarize
+
+    rec = Record.from_times("train", "ours pre-LN N1 L2 D4 B1", {}, [0.1, 0.2], ratio=1.5, fraction_of_peak=0.5)
+    assert format_table([rec], machine="AMD EPYC [amd-avx512]: XLA defaults").startswith(
+        "machine: AMD EPYC [amd-avx512]: XLA defaults\n")
+    meta = {"command": "python -m bench", "processor": "x86_64", "device": "cpu", "threads": 2, "jax": "0.10.2",
+            "torch": "2.13", "loadavg_start": [1.0], "reps": 2, "cpu": "AMD EPYC", "cpu_kind": "amd-avx512",
+            "xla_options": {"applied": {"xla_cpu_a": "b"}}, "xla_flags": "--xla_cpu_a=b"}
+    text = summarize({"meta": meta, "records": [{**rec.__dict__, "metrics": rec.metrics}]})
+    assert "CPU: AMD EPYC [amd-avx512]; XLA options: --xla_cpu_a=b" in text.split("**Training step")[1]
 
 
 # --- the speed work keeps results exact ----------------------------------------------------------

@@ -256,6 +256,10 @@ def _main(argv: list[str], whole_process: bool) -> int:
         command, argv = COMMANDS[argv[0]], argv[1:]
     else:
         command = cmd_train
+    if whole_process:  # this CPU kind's XLA options (the user's XLA_FLAGS win), before JAX starts its backend
+        from jaxblock import xla_options
+
+        xla_options.apply()
     _quiet_libraries()
     from train.interrupts import run_interruptible
 

@@ -27,6 +27,8 @@ def run_metadata(start_step: int) -> dict[str, Any]:
     import optax
     import orbax.checkpoint
 
+    from jaxblock import xla_options
+
     return {
         "started": datetime.now(UTC).isoformat(timespec="seconds"),
         "start_step": start_step,
@@ -39,4 +41,5 @@ def run_metadata(start_step: int) -> dict[str, Any]:
         "devices": [str(d) for d in jax.devices()],
         "process_count": jax.process_count(),
         "git_commit": _git_commit(),
+        "xla_options": xla_options.current().as_dict(),  # CPU model and the XLA option set this session used
     }
