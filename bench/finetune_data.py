@@ -82,14 +82,20 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.finetune_data", description=__doc__.split("\n")[0])
     parser.add_argument("--config", default="configs/sentiment_pretrained.yaml")
     parser.add_argument("--repeats", type=int, default=4)
+    parser.add_argument("--lengths", type=int, nargs="+", help="time only these L (the other bucket lengths are "
+                        "interpolated linearly between them): fewer compiles on a slow machine")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
     trained = _plan(args.config, ["optim.freeze=[]", *args.overrides])
     frozen = _plan(args.config, ["optim.freeze=[embedding]", *args.overrides])
     fine = list(trained.config.data.buckets)
     lengths = sorted(set(fine) | set(COARSE))
-    times = {"trained": step_times(trained, lengths, args.repeats),
-             "frozen": step_times(frozen, lengths, args.repeats)}
+    timed = sorted(args.lengths) if args.lengths else lengths
+    measured = {"trained": step_times(trained, timed, args.repeats), "frozen": step_times(frozen, timed, args.repeats)}
+    times = {name: {n: float(np.interp(n, timed, [t[m] for m in timed])) for n in lengths}
+             for name, t in measured.items()}
+    if timed != lengths:
+        print(f"timed L = {timed}; the others interpolated linearly")
     print(f"step seconds at batch {trained.config.train.batch_size} x L (median of {args.repeats}, interleaved):")
     print("  L      " + "  ".join(f"{n:>6}" for n in lengths))
     for name, t in times.items():
