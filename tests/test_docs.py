@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from train import __main__ as cli
-from train import diagnose, study
+from train import diagnose, embed, study
 from train.config import ConfigError, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -108,13 +108,15 @@ def _accepted(argv: list[str]) -> None:
         load_config(args.config, args.overrides)
     elif command == "study-ln":
         study._parser().parse_args(rest)
+    elif command == "embed":
+        embed._parser().parse_args(rest)
     else:
         assert command == "schema" and not rest, argv
 
 
 def test_the_pages_show_the_commands_of_every_kind():
     kinds = {argv[0] if argv and argv[0] in cli.COMMANDS else "train" for _, argv in COMMANDS}
-    assert kinds >= {"train", "evaluate", "predict", "diagnose", "study-ln", "schema"}, kinds
+    assert kinds >= {"train", "evaluate", "predict", "diagnose", "study-ln", "schema", "embed"}, kinds
     assert len(COMMANDS) >= 30, COMMANDS
 
 

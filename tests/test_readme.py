@@ -15,7 +15,6 @@ ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 DOCS = ROOT / "docs"
 # Index entries whose pages other branches write; each must exist once those branches land.
-PAGES_WRITTEN_ELSEWHERE = {"pretrained.md"}
 
 
 def _section(text: str, heading: str) -> str:
@@ -73,10 +72,10 @@ def test_the_index_links_every_docs_page_and_each_link_resolves():
     assert len(linked) == len(set(linked)) >= 12, linked
     pages = {p.name for p in DOCS.glob("*.md")}
     assert pages <= set(linked), f"docs pages missing from the README's index: {sorted(pages - set(linked))}"
-    for name in set(linked) - PAGES_WRITTEN_ELSEWHERE:
+    for name in set(linked):
         assert (DOCS / name).is_file(), f"the index links docs/{name}, which does not exist"
     for target in re.findall(r"\]\((docs/[^)#]+)", text):  # every link in the README, index or not
-        assert (ROOT / target).exists() or Path(target).name in PAGES_WRITTEN_ELSEWHERE, target
+        assert (ROOT / target).exists(), target
 
 
 def test_the_model_page_equations_are_the_ones_in_the_code():
@@ -142,8 +141,6 @@ def test_every_link_between_the_pages_reaches_its_page_and_heading():
     for page in pages:
         for target, anchor in re.findall(r"\]\(([\w./-]*\.md)(?:#([\w-]+))?\)", page.read_text(encoding="utf-8")):
             path = (page.parent / target).resolve()
-            if path.name in PAGES_WRITTEN_ELSEWHERE and not path.exists():
-                continue
             assert path.is_file(), f"{page.name} links {target}, which does not exist"
             if anchor:
                 headings = re.findall(r"^#+ (.+)$", path.read_text(encoding="utf-8"), flags=re.MULTILINE)
@@ -159,8 +156,8 @@ def test_every_repository_path_the_pages_name_exists():
     for page in [README, *DOCS.glob("*.md")]:
         text = page.read_text(encoding="utf-8")
         for path in re.findall(r"(?<![\w/.~-])((?:jaxblock|train|bench|tests|configs|docs)/[\w/.-]*[\w/])", text):
-            if path == "train/validation/test" or Path(path).name in PAGES_WRITTEN_ELSEWHERE:
-                continue  # the split names, not a path; pages other branches write
+            if path == "train/validation/test":
+                continue  # the split names, not a path
             assert (ROOT / path).exists(), f"{page.name} names {path}, which does not exist"
             named += 1
     assert named >= 40, named

@@ -6,6 +6,7 @@
     python -m train diagnose ...                                    the debugging-path checks
     python -m train study-ln ...                                    the Pre-LN vs Post-LN study
     python -m train schema                                          every config key with its default
+    python -m train embed --model hf:<dir|name> --out F.npy ...       sentence embeddings (train/embed.py)
 
 Exit codes: 0 success; 1 a check failed or the run halted on non-finite values; 2 bad input, usage, a busy
 workdir, a damaged checkpoint or a full disk (one line on stderr, nothing already written lost); 130
@@ -39,6 +40,8 @@ commands:
   diagnose   the debugging-path checks on a config's model or a checkpoint (see diagnose --help)
   study-ln   the Pre-LN vs Post-LN study (see study-ln --help)
   schema     print every config key with its default and description (Markdown)
+  embed      --model hf:<dir>|hf:all-MiniLM-L6-v2 (TEXT ... | --input F|-) --out F.npy|F.jsonl: sentence
+             embeddings pooled the checkpoint's own way (see embed --help)
 
 overrides are dotted key=value pairs parsed as YAML, e.g. model.num_layers=6 optim.lr=3e-4
 train.steps=2000 data.source=file data.path=reviews.csv
@@ -202,8 +205,12 @@ def cmd_study(argv: list[str], interrupts: Any = None) -> int:
     return _delegate("train.study", argv)
 
 
+def cmd_embed(argv: list[str], interrupts: Any = None) -> int:
+    return _delegate("train.embed", argv)
+
+
 COMMANDS = {"evaluate": cmd_evaluate, "predict": cmd_predict, "schema": cmd_schema, "diagnose": cmd_diagnose,
-            "study-ln": cmd_study, "train": cmd_train}
+            "study-ln": cmd_study, "embed": cmd_embed, "train": cmd_train}
 
 
 def _unknown_command(argv: list[str]) -> str | None:

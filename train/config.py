@@ -68,6 +68,11 @@ class DataConfig(_Section):
         "examples and loss, fewer rows. Evaluation stays padded.",
     )
     pack_segments: int = Field(8, ge=1, description="With packing: at most this many examples in one row.")
+    sort_window: int = Field(
+        0, ge=0, description="Padded training batches: sort each window of this many consecutive batches by "
+        "length and take them in a seeded order, so a batch pads to a bucket near its rows' lengths (pair with "
+        "finer data.buckets; each bucket compiles once); evaluation then goes shortest first. 0 or 1: off.",
+    )
     paths: list[str] = Field(default_factory=list, description="source=corpus: training files, directories or "
                              "globs (read lazily, streamed).")
     heldout_paths: list[str] = Field(default_factory=list, description="source=corpus: held-out files for the "
@@ -108,6 +113,10 @@ class OptimConfig(_Section):
     momentum: float = Field(0.0, ge=0, lt=1, description="SGD momentum.")
     clip_norm: float | None = Field(1.0, gt=0, description="Global-norm gradient clipping; null disables.")
     grad_accum: int = Field(1, ge=1, description="Micro-batches per update (optax.MultiSteps).")
+    freeze: list[str] = Field(
+        default_factory=list, description="Parameters kept at their starting values (no update, no optimizer "
+        "state): glob patterns over a parameter's name or its slash path, e.g. [embedding] for the token "
+        "table of a pretrained encoder (encoder/embedding), or [encoder/*] for a linear probe.")
 
 
 class TrainConfig(_Section):

@@ -50,8 +50,9 @@ class BatchSource(Protocol):
 
 class InMemoryBatches:
     """Batches of a loaded `data.Dataset`: training batch t is a pure function of (train.seed, t), padded
-    to the smallest fitting bucket, or packed when data.packing is on; evaluation in order, the last batch
-    topped up with empty rows labelled -1."""
+    to the smallest fitting bucket (length-sorted within windows with data.sort_window), or packed when
+    data.packing is on; evaluation in order (shortest first with data.sort_window), the last batch topped
+    up with empty rows labelled -1."""
 
     def __init__(self, dataset: data.Dataset, config: Config, share: tuple[int, int] = (0, 1)):
         self.dataset = dataset
@@ -59,12 +60,14 @@ class InMemoryBatches:
         self.batch_size = config.train.batch_size
         self.buckets = list(config.data.buckets)
         self.pack_segments = config.data.pack_segments if config.data.packing else None
+        self.sort_window = config.data.sort_window
         self.process_index, self.process_count = share
 
     def _train_batch(self, step: int, pack_segments: int | None) -> Batch:
         return data.train_batch(
             self.dataset.train, seed=self.seed, step=step, batch_size=self.batch_size, buckets=self.buckets,
             process_index=self.process_index, process_count=self.process_count, pack_segments=pack_segments,
+            sort_window=self.sort_window,
         )
 
     def batch(self, step: int) -> Batch:
@@ -75,7 +78,8 @@ class InMemoryBatches:
 
     def eval_batches(self, split: str) -> Iterator[Batch]:
         return data.eval_batches(getattr(self.dataset, split), batch_size=self.batch_size, buckets=self.buckets,
-                                 process_index=self.process_index, process_count=self.process_count)
+                                 process_index=self.process_index, process_count=self.process_count,
+                                 by_length=self.sort_window > 1)
 
     def state(self) -> dict[str, Any] | None:
         return None

