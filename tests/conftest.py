@@ -194,3 +194,27 @@ def run_processes(commands: list[list[str]], env: dict[str, str], cwd: Path) -> 
                           enumerate(zip(codes, outputs, strict=True)))
         pytest.fail(f"multi-process run failed:\n{tails}")
     return outputs
+
+
+SYMBOL_TEXTS = [" ".join(str((i * 7 + j) % 16) for j in range(16)) for i in range(64)]  # tiny.yaml's symbol texts
+
+
+def random_bert_dir(path: Path) -> Path:
+    """A random 2-layer BertModel (D=32, no pooler) saved with save_pretrained at `path`, with a WordPiece
+    tokenizer.json trained on the symbol texts: a small transformers checkpoint directory for the tests."""
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.train_from_iterator(SYMBOL_TEXTS, trainers.WordPieceTrainer(
+        special_tokens=["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"], show_progress=False))
+    tok.post_processor = processors.BertProcessing(("[SEP]", tok.token_to_id("[SEP]")),
+                                                   ("[CLS]", tok.token_to_id("[CLS]")))
+    cfg = transformers.BertConfig(vocab_size=tok.get_vocab_size(), hidden_size=32, num_hidden_layers=2,
+                                  num_attention_heads=2, intermediate_size=64, max_position_embeddings=40,
+                                  pad_token_id=0)
+    transformers.set_seed(0)
+    transformers.BertModel(cfg, add_pooling_layer=False).save_pretrained(path)
+    tok.save(str(path / "tokenizer.json"))
+    return path

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import random_bert_dir
 
 from train.__main__ import main
 from train.embed import Embedder, embed, read_pooling
@@ -16,28 +17,12 @@ from train.embed import Embedder, embed, read_pooling
 pytest.importorskip("transformers")
 
 TEXTS = ["3 4 5 3", "1 2", "7 7 7 7 7 7 1 2 3 4 5 6 7 8 9 10 11 12 13 14", "5", "9 9 2"]
-SYMBOLS = [" ".join(str((i * 7 + j) % 16) for j in range(16)) for i in range(64)]
 
 
 def st_dir(root: Path, pooling: dict[str, bool], normalize: bool) -> Path:
     """A random 2-layer BertModel saved with save_pretrained, a WordPiece tokenizer.json and the files a
     sentence-transformers directory holds (modules.json, 1_Pooling/config.json)."""
-    import transformers
-    from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
-
-    tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-    tok.train_from_iterator(SYMBOLS, trainers.WordPieceTrainer(
-        special_tokens=["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"], show_progress=False))
-    tok.post_processor = processors.BertProcessing(("[SEP]", tok.token_to_id("[SEP]")),
-                                                   ("[CLS]", tok.token_to_id("[CLS]")))
-    cfg = transformers.BertConfig(vocab_size=tok.get_vocab_size(), hidden_size=32, num_hidden_layers=2,
-                                  num_attention_heads=2, intermediate_size=64, max_position_embeddings=40,
-                                  pad_token_id=0)
-    path = root / "st"
-    transformers.set_seed(0)
-    transformers.BertModel(cfg, add_pooling_layer=False).save_pretrained(path)
-    tok.save(str(path / "tokenizer.json"))
+    path = random_bert_dir(root / "st")
     modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
                {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
     if normalize:

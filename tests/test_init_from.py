@@ -11,7 +11,8 @@ from typing import Any
 import jax
 import numpy as np
 import pytest
-from conftest import TINY, tiny_config
+from conftest import SYMBOL_TEXTS as SYMBOLS
+from conftest import TINY, random_bert_dir, tiny_config
 
 from train import run
 from train.__main__ import main
@@ -116,26 +117,11 @@ def test_packing_needs_mean_pooling(tmp_path):
 
 # --- hf:<dir>: small transformers checkpoints built here, with tokenizers trained on the tiny data ---------
 
-SYMBOLS = [" ".join(str((i * 7 + j) % 16) for j in range(16)) for i in range(64)]  # tiny.yaml's symbol texts
 
 
 def bert_dir(root: Path) -> Path:
     """A random 2-layer BertModel (D=32) saved with a WordPiece tokenizer.json and a license file."""
-    import transformers
-    from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
-
-    tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-    tok.train_from_iterator(SYMBOLS, trainers.WordPieceTrainer(
-        special_tokens=["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"], show_progress=False))
-    tok.post_processor = processors.BertProcessing(("[SEP]", tok.token_to_id("[SEP]")),
-                                                   ("[CLS]", tok.token_to_id("[CLS]")))
-    cfg = transformers.BertConfig(vocab_size=tok.get_vocab_size(), hidden_size=32, num_hidden_layers=2,
-                                  num_attention_heads=2, intermediate_size=64, max_position_embeddings=40,
-                                  pad_token_id=0)
-    path = root / "bert"
-    transformers.BertModel(cfg, add_pooling_layer=False).save_pretrained(path)
-    tok.save(str(path / "tokenizer.json"))
+    path = random_bert_dir(root / "bert")
     (path / "LICENSE").write_text("test license\n")
     return path
 
