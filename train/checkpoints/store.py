@@ -29,6 +29,7 @@ import orbax.checkpoint as ocp
 import yaml
 from orbax.checkpoint import checkpoint_managers
 
+from train.checkpoints import event_loops
 from train.config import CheckpointConfig, Config, ConfigError, config_from_dict
 from train.data.tokenizer import Tokenizer, load_tokenizer
 from train.loop.state import TrainState, init_params
@@ -48,6 +49,7 @@ class _ReadOnlyNotice(logging.Filter):
 
 
 logging.getLogger("absl").addFilter(_ReadOnlyNotice())
+event_loops.install()  # a failed restore or save leaves no task behind its closed event loop
 
 
 class CheckpointError(ValueError):
