@@ -232,7 +232,7 @@ def test_a_failed_restore_leaves_no_task_behind_its_closed_event_loop(saved, mon
 
     from train.checkpoints import event_loops
 
-    cfg, ckpts, states = saved
+    _, ckpts, states = saved
     step_dir = ckpts.directory / "30"
     if damage == "truncate_array_file":
         os.truncate(_largest_file(step_dir), 20)
@@ -247,7 +247,7 @@ def test_a_failed_restore_leaves_no_task_behind_its_closed_event_loop(saved, mon
 
     monkeypatch.setattr(asyncio.BaseEventLoop, "close", counting_close)
     assert event_loops.installed()
-    with pytest.raises(Exception):  # noqa: B017, PT011 (whatever Orbax raises for the damage)
+    with pytest.raises(Exception):  # noqa: B017 (whatever Orbax raises for the damage)
         ckpts.restore(30, states[30])
     assert left == []
     got = restore_newest_good(ckpts.directory, lambda s: ckpts.restore(s, states[30]))

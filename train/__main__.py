@@ -6,6 +6,7 @@
     python -m train diagnose ...                                    the debugging-path checks
     python -m train study-ln ...                                    the Pre-LN vs Post-LN study
     python -m train schema                                          every config key with its default
+    python -m train verify --workdir W                              read every checkpoint back, write nothing
 
 Exit codes: 0 success; 1 a check failed or the run halted on non-finite values; 2 bad input, usage, a busy
 workdir, a damaged checkpoint or a full disk (one line on stderr, nothing already written lost); 130
@@ -39,6 +40,8 @@ commands:
   diagnose   the debugging-path checks on a config's model or a checkpoint (see diagnose --help)
   study-ln   the Pre-LN vs Post-LN study (see study-ln --help)
   schema     print every config key with its default and description (Markdown)
+  verify     --workdir W [--json]: read every checkpoint back and report, per step, whether it restores
+             and what is damaged, moving nothing (exit 0 all restore, 1 some damaged, 2 bad input)
 
 overrides are dotted key=value pairs parsed as YAML, e.g. model.num_layers=6 optim.lr=3e-4
 train.steps=2000 data.source=file data.path=reviews.csv
@@ -202,8 +205,12 @@ def cmd_study(argv: list[str], interrupts: Any = None) -> int:
     return _delegate("train.study", argv)
 
 
+def cmd_verify(argv: list[str], interrupts: Any = None) -> int:
+    return _delegate("train.verify", argv)
+
+
 COMMANDS = {"evaluate": cmd_evaluate, "predict": cmd_predict, "schema": cmd_schema, "diagnose": cmd_diagnose,
-            "study-ln": cmd_study, "train": cmd_train}
+            "study-ln": cmd_study, "verify": cmd_verify, "train": cmd_train}
 
 
 def _unknown_command(argv: list[str]) -> str | None:

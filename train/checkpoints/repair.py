@@ -96,8 +96,8 @@ def describe_damage(err: BaseException, step_dir: Path) -> str | None:
             if isinstance(e, json.JSONDecodeError):
                 return f"{_first_bad_json(step_dir) or 'a metadata file'}: not valid JSON ({e.msg})"
             if isinstance(e, KeyError):  # Orbax's item lookup: 'Item "params" was not found ...' or 'params'
-                item = re.search(r'Item "([^"]+)" was not found', text)
-                return f"{item[1] if item else text}: missing"
+                item = re.search(r'Item "([^"]+)" was not found|Unknown key: (\w+)', text)
+                return f"{(item[1] or item[2]) if item else text}: missing"
             return f"{where}: missing" if where else text.split(". ")[0]
     return None
 
