@@ -15,10 +15,14 @@ first-fit packed into rows of L tokens -> N/K rows per step. Process p of P runs
 (every process's rows in process order) is the same for any P that divides K: 1 process x 8 devices
 and 2 processes x 4 see the same global rows, and the MLM corruption keyed by global row matches too.
 
-State: `BatchStream.get_state()` is a JSON-able dict (Grain's iterator state plus the stream's identity);
-`set_state` restores it, after which the stream yields exactly the batches the uninterrupted one would
-have. `grain.checkpoint.CheckpointSave(stream.orbax_item)` / `CheckpointRestore(stream.orbax_item)` put it
-in an Orbax checkpoint (Grain's handler: one JSON file per process).
+State: `BatchStream.get_state()` is a JSON-able dict: the position of each logical shard this process
+reads (Grain's state of that shard's pipeline: block position, shuffle window, packer), the step, and the
+stream's identity (config, tokenizer). A position belongs to a shard, not to a process, so the states of
+every process of a run (`merge_states`) resume the same global stream on any process count that divides
+K, with any prefetch mode: 2 processes -> 1 or 1 -> 2 continue with exactly the rows the uninterrupted
+stream would have given, each example once. `set_state` refuses a state of another identity.
+`grain.checkpoint.CheckpointSave(stream.orbax_item)` / `CheckpointRestore(stream.orbax_item)` put one
+process's state in an Orbax checkpoint (Grain's handler: one JSON file per process).
 
 Batch (dict of NumPy arrays): tokens int32[N, L], valid_tokens bool[N, L] (True = real token, real tokens
 first in each row), segment_ids int32[N, L] (0.. per example in row order, -1 on padding); with
@@ -51,7 +55,7 @@ from train.data.datasets import DataError
 from train.data.masking import MaskingSpec, mask_batch
 from train.data.tokenizer import Tokenizer
 
-__all__ = ["BatchStream", "CorpusBlocks", "StreamConfig", "corpus_files", "shard_range"]
+__all__ = ["BatchStream", "CorpusBlocks", "StreamConfig", "corpus_files", "merge_states", "shard_range"]
 
 Batch = dict[str, np.ndarray]
 FORMATS = ("text", "jsonl", "arrayrecord")
@@ -302,6 +306,7 @@ class BatchStream(Iterator[Batch]):
             raise DataError(f"the corpus has {len(blocks)} blocks for {cfg.num_shards} shards: lower the block "
                             "size, lower the shard count, or add text")
         self.config, self.process_index, self.process_count = cfg, process_index, process_count
+        self.shards = shards
         self.rows = cfg.batch_rows // process_count
         self.read_threads, self.prefetch = read_threads, prefetch
         self.tokenizer_kind, self.tokenizer_vocab = tokenizer.kind, tokenizer.vocab_size
@@ -341,22 +346,35 @@ class BatchStream(Iterator[Batch]):
         return batch
 
     def identity(self) -> dict[str, Any]:
-        """What a saved state is only valid for: the stream's config and this process's place."""
+        """What a saved state is only valid for: the stream's config and the tokenizer (positions count
+        tokenized examples). Neither the process layout nor the prefetch mode is part of it: a position
+        is kept per logical shard, and any process that reads a shard can continue it."""
         return {"config": {**asdict(self.config), "paths": list(self.config.paths)},
-                "process_index": self.process_index, "process_count": self.process_count,
-                "prefetch": self.prefetch,  # Grain's state layout differs with a worker process
-                "tokenizer": [self.tokenizer_kind, self.tokenizer_vocab]}  # positions count tokenized examples
+                "tokenizer": [self.tokenizer_kind, self.tokenizer_vocab]}
 
     def get_state(self) -> dict[str, Any]:
-        """JSON-able: restoring it with `set_state` resumes at the next batch exactly."""
-        return {"identity": self.identity(), "step": self.step, "grain": self._iterator.get_state()}
+        """JSON-able: this process's position, one entry per logical shard it reads ("shards": {shard:
+        Grain state of that shard's pipeline}) plus the step. `set_state` with the states of every process
+        (`merge_states`) resumes at the next batch exactly, on any process count that divides the shards."""
+        pipeline = _pipeline_state(self._iterator.get_state(), self.prefetch)
+        parts = pipeline["parent"]["parents"]
+        return {"identity": self.identity(), "step": self.step, "layout": [self.process_index, self.process_count],
+                "shards": {str(s): part for s, part in zip(self.shards, parts, strict=True)}}
 
     def set_state(self, state: dict[str, Any]) -> None:
+        """Continue from `state`: one process's `get_state()`, or `merge_states` of every process's. It
+        must hold a position for each shard this process reads (any layout that saved them)."""
+        state = _upgrade(state)
         if state.get("identity") != json.loads(json.dumps(self.identity())):
-            raise DataError("the saved input-stream state belongs to a different corpus, batch, process layout or "
-                            "prefetch mode: resume with the run's data settings and process count, or start a new "
+            raise DataError("the saved input-stream state belongs to a different corpus, batch size, shard count, "
+                            "row length, seed or tokenizer: resume with the run's data settings, or start a new "
                             "workdir")
-        self._iterator.set_state(state["grain"])
+        missing = [s for s in self.shards if str(s) not in state["shards"]]
+        if missing:
+            raise DataError(f"the saved input-stream state has no position for corpus shards {missing}: pass the "
+                            "states of every process that saved the run (merge_states)")
+        pipeline = {"parent": {"parents": [state["shards"][str(s)] for s in self.shards]}, "counter": int(state["step"])}
+        self._iterator.set_state(_wrapped_state(pipeline, self._iterator, self.prefetch))
         self.step = int(state["step"])
 
     @property
@@ -368,6 +386,54 @@ class BatchStream(Iterator[Batch]):
         close = getattr(self._iterator, "close", None)
         if close is not None:
             close()
+
+
+def merge_states(states: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One state from the states every process of a run saved (each holds its own shards): what
+    `BatchStream.set_state` takes on any process count. DataError if they disagree on the step or stream."""
+    states = [_upgrade(s) for s in states]
+    if not states or any(s.get("identity") != states[0].get("identity") or s.get("step") != states[0].get("step")
+                         for s in states):
+        raise DataError("the saved input-stream states of the run's processes disagree (another stream or step): "
+                        "the checkpoint is inconsistent; resume from an older checkpoint or start a new workdir")
+    shards: dict[str, Any] = {}
+    for s in states:
+        shards.update(s["shards"])
+    return {"identity": states[0]["identity"], "step": states[0]["step"], "shards": shards}
+
+
+def _pipeline_state(grain_state: dict[str, Any], prefetch: str | None) -> dict[str, Any]:
+    """The state of the zipped shard pipelines inside Grain's state of the whole iterator: a worker process
+    (mp_prefetch, one worker) wraps it as the state of the iterator it runs; a prefetch thread does not."""
+    if prefetch == "process":
+        (inner,) = grain_state["iterators_in_use_states"]
+        return dict(inner)
+    return grain_state
+
+
+def _wrapped_state(pipeline: dict[str, Any], iterator: Any, prefetch: str | None) -> dict[str, Any]:
+    """Grain's state of the whole iterator holding `pipeline` (the inverse of `_pipeline_state`): for a
+    worker process, the iterator's own state layout with the worker's iterator state replaced."""
+    if prefetch != "process":
+        return pipeline
+    outer = dict(iterator.get_state())
+    outer["iterators_in_use_states"] = [pipeline]
+    return outer
+
+
+def _upgrade(state: dict[str, Any]) -> dict[str, Any]:
+    """A state saved before positions were kept per shard ("grain": the whole iterator's state, identity
+    with the process layout and prefetch mode) in today's form."""
+    if "shards" in state or "grain" not in state:
+        return state
+    identity = dict(state.get("identity") or {})
+    index, count, prefetch = identity.pop("process_index", 0), identity.pop("process_count", 1), identity.pop(
+        "prefetch", None)
+    config = identity.get("config") or {}
+    parts = _pipeline_state(state["grain"], prefetch)["parent"]["parents"]
+    shards = shard_range(int(config.get("num_shards", len(parts) * count)), int(index), int(count))
+    return {"identity": identity, "step": state["step"], "layout": [index, count],
+            "shards": {str(s): part for s, part in zip(shards, parts, strict=True)}}
 
 
 class _OrbaxItem:
