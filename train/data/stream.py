@@ -373,7 +373,8 @@ class BatchStream(Iterator[Batch]):
         if missing:
             raise DataError(f"the saved input-stream state has no position for corpus shards {missing}: pass the "
                             "states of every process that saved the run (merge_states)")
-        pipeline = {"parent": {"parents": [state["shards"][str(s)] for s in self.shards]}, "counter": int(state["step"])}
+        parents = [state["shards"][str(s)] for s in self.shards]
+        pipeline = {"parent": {"parents": parents}, "counter": int(state["step"])}
         self._iterator.set_state(_wrapped_state(pipeline, self._iterator, self.prefetch))
         self.step = int(state["step"])
 
