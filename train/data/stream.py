@@ -31,10 +31,13 @@ masking also mlm_targets int32[N, L] and mlm_weights float32[N, L] (`train.data.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import glob
 import itertools
 import json
 import os
+import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -322,8 +325,16 @@ class BatchStream(Iterator[Batch]):
             ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=1, per_worker_buffer_size=buffer))
         elif prefetch is not None:
             raise DataError(f"unknown prefetch '{prefetch}': use none, thread or process")
-        self._iterator = iter(ds)
+        # The iterator lives in a holder the finalizer empties, so that no reference outlives the release.
+        self._holder: list[Any] = [iter(ds)]
+        self._release = weakref.finalize(self, _release_iterator, self._holder)
         self.step = 0
+
+    @property
+    def _iterator(self) -> Any:
+        if not self._holder:
+            raise RuntimeError("the stream was closed: make a new BatchStream (and set_state) to read on")
+        return self._holder[0]
 
     def _shard(self, blocks: CorpusBlocks, shard: int, tokenizer: Tokenizer, rows: int) -> grain.IterDataset:
         cfg = self.config
@@ -342,6 +353,12 @@ class BatchStream(Iterator[Batch]):
 
     def __next__(self) -> Batch:
         batch = next(self._iterator)
+        if self.prefetch == "process":
+            # The worker hands each array over in a shared-memory segment, unlinked when the array is
+            # deleted. A batch still referenced at interpreter exit (the loop's last batch) is deleted after
+            # the modules it needs, is never unlinked, and multiprocessing warns "leaked shared_memory":
+            # keep private copies and release the segments now.
+            batch = {key: np.array(value) for key, value in batch.items()}
         self.step += 1
         return batch
 
@@ -384,9 +401,41 @@ class BatchStream(Iterator[Batch]):
         return _OrbaxItem(self)
 
     def close(self) -> None:
-        close = getattr(self._iterator, "close", None)
-        if close is not None:
-            close()
+        """Stop the prefetch thread or worker process and release everything it holds now (idempotent).
+        A stream not closed is closed when the interpreter starts to exit (weakref.finalize), before the
+        modules its objects need are torn down."""
+        self._release()
+
+    def __enter__(self) -> BatchStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _release_iterator(holder: list[Any]) -> None:
+    """Close a Grain iterator and release what it holds, now rather than at interpreter exit: Grain's
+    iterators finalized during shutdown print 'Exception ignored' errors, and the shared-memory segments
+    of a worker's batches would be reported leaked."""
+    if not holder:
+        return
+    iterator = holder.pop()
+    close = getattr(iterator, "close", None)
+    if close is not None:
+        close()  # the worker stops; the batches it had buffered are unlinked
+    del iterator, close
+    gc.collect()  # Grain's iterator objects (and any shared-memory array) are finalized here
+    _wait_for_shared_memory_release()
+
+def _wait_for_shared_memory_release() -> None:
+    """Grain unlinks a released shared-memory segment in a one-thread pool (asynchronously); the pool runs
+    its tasks in order, so an empty task returning means every earlier release is done."""
+    from grain._src.python.ipc.shared_memory_array import SharedMemoryArray
+
+    pool = getattr(SharedMemoryArray, "_del_thread_pool", None)
+    if pool is not None:
+        with contextlib.suppress(Exception):
+            pool.apply(int)
 
 
 def merge_states(states: Sequence[dict[str, Any]]) -> dict[str, Any]:
