@@ -280,6 +280,24 @@ def test_bad_input_in_a_real_process_is_its_one_line_to_the_end(tmp_path, case):
     assert not (tmp_path / "w" / "checkpoints").exists()
 
 
+@pytest.mark.slow
+def test_every_command_in_a_real_process_ends_with_its_own_last_line(whole, tmp_path):
+    """Each read-only command on a finished run, read to the end of its process: exit 0 and nothing on
+    stderr that is not the command's own (no thread, event loop or garbage collector printing at exit)."""
+    commands = {
+        "evaluate": ["evaluate", "--workdir", str(whole), "--split", "test"],
+        "predict": ["predict", "--workdir", str(whole), "1 2 3 4", "5 6 7"],
+        "verify": ["verify", "--workdir", str(whole)],
+        "schema": ["schema"],
+        "diagnose": ["diagnose", "--workdir", str(whole), "--random", "--out", str(tmp_path / "diagnosis")],
+    }
+    for name, args in commands.items():
+        done = subprocess.run([sys.executable, "-m", "train", *args], env=env(), capture_output=True, text=True)
+        assert done.returncode in ((0, 1) if name == "diagnose" else (0,)), (name, done.stderr)
+        clean(done.stderr)
+        assert done.stdout.strip(), name
+
+
 # --- interrupts -------------------------------------------------------------------------------------
 
 

@@ -97,7 +97,7 @@ def restore_for_inference(workdir: Path, step: int | None = None, overrides: lis
                 if reason is None:
                     raise
         others = [s for s in steps if s != chosen]
-        found = restore_newest_good(directory, restore, steps=others, primary=False) if others else None
+        found = restore_newest_good(directory, restore, steps=others, primary=False, together=False) if others else None
         if found is None or found.step is None:
             raise CheckpointError(f"checkpoint {chosen} in {workdir} is damaged ({reason}) and no other "
                                   "checkpoint restores: train again in a new --workdir")

@@ -10,9 +10,11 @@ closed loop ("RuntimeError: Event loop is closed" from asyncio/base_events.py), 
 while pending is logged as "Task was destroyed but it is pending". When that happens is a matter of
 timing: on a slow machine it is at interpreter exit, after the command's last line.
 
-`install()` wraps that function so that, when the coroutine fails, the loop's remaining tasks are
-cancelled and run until they have finished (what `asyncio.run` does on the way out, for this one loop,
-without touching other threads' loops), and async generators are shut down, before the loop closes.
+`install()` wraps that function so that, when the coroutine fails, the loop's remaining tasks are run
+until they have finished (cancelling a task is not enough: TensorStore still completes the read and
+calls back into the loop), those still pending after a bound are cancelled and run until they have
+ended (what `asyncio.run` does on the way out, for this one loop, without touching other threads'
+loops), and async generators are shut down, before the loop closes.
 A successful call leaves no task behind and is unchanged. The wrapper is installed once, when the
 checkpoint store is imported; `pending_tasks()` is what the tests check.
 """
@@ -28,6 +30,7 @@ from typing import Any
 from orbax.checkpoint._src import asyncio_utils
 
 _ORIGINAL = getattr(asyncio_utils, "_run_sync_via_new_loop", None)
+DRAIN_S = 60.0  # at most this long for the reads of a failed call to finish (they take milliseconds)
 
 
 def _run_and_close_in_order(coro: Coroutine[Any, Any, Any]) -> Any:
@@ -44,16 +47,26 @@ def _run_and_close_in_order(coro: Coroutine[Any, Any, Any]) -> Any:
 
 
 def _finish_pending(loop: asyncio.AbstractEventLoop) -> None:
-    """Cancel the loop's unfinished tasks and run the loop until each has ended (their errors are the
-    failed call's, already raised once: dropped here)."""
+    """Let the loop's unfinished tasks end before it closes: first run them to completion (a read already
+    in flight in TensorStore completes within moments, and its callback then finds the loop open); what is
+    still pending after `DRAIN_S` is cancelled and run until it has ended. Their errors are the failed
+    call's, already raised once: retrieved here, so that none is logged as "never retrieved"."""
+    pending = [t for t in asyncio.all_tasks(loop) if not t.done()]
+    if pending:
+        with contextlib.suppress(BaseException):
+            loop.run_until_complete(asyncio.wait(pending, timeout=DRAIN_S))
     for _ in range(3):  # a cancelled task may start one more (Orbax's cleanup); a few rounds at most
-        pending = [t for t in asyncio.all_tasks(loop) if not t.done()]
-        if not pending:
+        rest = [t for t in asyncio.all_tasks(loop) if not t.done()]
+        if not rest:
             break
-        for task in pending:
+        for task in rest:
             task.cancel()
         with contextlib.suppress(BaseException):
-            loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+            loop.run_until_complete(asyncio.gather(*rest, return_exceptions=True))
+        pending += rest
+    for task in pending:
+        if task.done() and not task.cancelled():
+            task.exception()
     with contextlib.suppress(BaseException):
         loop.run_until_complete(loop.shutdown_asyncgens())
 
