@@ -73,11 +73,22 @@ def damage(step_dir: Path, kind: str) -> None:
 
 
 def steps_logged(workdir: Path) -> list[int]:
+    if not (workdir / "metrics.jsonl").is_file():  # the run failed before its first row (see its exit code)
+        return []
     rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     return [r["step"] for r in rows if r["split"] == "train"]
 
 
 def params_equal(a: Path, b: Path) -> bool:
+    from train.checkpoints.store import CheckpointError
+
+    try:
+        return _params_equal(a, b)
+    except CheckpointError:  # no checkpoint to compare: counted as not equal
+        return False
+
+
+def _params_equal(a: Path, b: Path) -> bool:
     import jax
     import numpy as np
 
