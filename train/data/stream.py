@@ -56,6 +56,7 @@ from grain.experimental import (
 
 from train.data.datasets import DataError
 from train.data.masking import MaskingSpec, mask_batch
+from train.data.stream_positions import merge_states, pipeline_state, upgrade, wrapped_state
 from train.data.tokenizer import Tokenizer
 
 __all__ = ["BatchStream", "CorpusBlocks", "StreamConfig", "corpus_files", "merge_states", "shard_range"]
@@ -373,7 +374,7 @@ class BatchStream(Iterator[Batch]):
         """JSON-able: this process's position, one entry per logical shard it reads ("shards": {shard:
         Grain state of that shard's pipeline}) plus the step. `set_state` with the states of every process
         (`merge_states`) resumes at the next batch exactly, on any process count that divides the shards."""
-        pipeline = _pipeline_state(self._iterator.get_state(), self.prefetch)
+        pipeline = pipeline_state(self._iterator.get_state(), self.prefetch)
         parts = pipeline["parent"]["parents"]
         return {"identity": self.identity(), "step": self.step, "layout": [self.process_index, self.process_count],
                 "shards": {str(s): part for s, part in zip(self.shards, parts, strict=True)}}
@@ -381,7 +382,7 @@ class BatchStream(Iterator[Batch]):
     def set_state(self, state: dict[str, Any]) -> None:
         """Continue from `state`: one process's `get_state()`, or `merge_states` of every process's. It
         must hold a position for each shard this process reads (any layout that saved them)."""
-        state = _upgrade(state)
+        state = upgrade(state)
         if state.get("identity") != json.loads(json.dumps(self.identity())):
             raise DataError("the saved input-stream state belongs to a different corpus, batch size, shard count, "
                             "row length, seed or tokenizer: resume with the run's data settings, or start a new "
@@ -392,7 +393,7 @@ class BatchStream(Iterator[Batch]):
                             "states of every process that saved the run (merge_states)")
         parents = [state["shards"][str(s)] for s in self.shards]
         pipeline = {"parent": {"parents": parents}, "counter": int(state["step"])}
-        self._iterator.set_state(_wrapped_state(pipeline, self._iterator, self.prefetch))
+        self._iterator.set_state(wrapped_state(pipeline, self._iterator, self.prefetch))
         self.step = int(state["step"])
 
     @property
@@ -436,54 +437,6 @@ def _wait_for_shared_memory_release() -> None:
     if pool is not None:
         with contextlib.suppress(Exception):
             pool.apply(int)
-
-
-def merge_states(states: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """One state from the states every process of a run saved (each holds its own shards): what
-    `BatchStream.set_state` takes on any process count. DataError if they disagree on the step or stream."""
-    states = [_upgrade(s) for s in states]
-    if not states or any(s.get("identity") != states[0].get("identity") or s.get("step") != states[0].get("step")
-                         for s in states):
-        raise DataError("the saved input-stream states of the run's processes disagree (another stream or step): "
-                        "the checkpoint is inconsistent; resume from an older checkpoint or start a new workdir")
-    shards: dict[str, Any] = {}
-    for s in states:
-        shards.update(s["shards"])
-    return {"identity": states[0]["identity"], "step": states[0]["step"], "shards": shards}
-
-
-def _pipeline_state(grain_state: dict[str, Any], prefetch: str | None) -> dict[str, Any]:
-    """The state of the zipped shard pipelines inside Grain's state of the whole iterator: a worker process
-    (mp_prefetch, one worker) wraps it as the state of the iterator it runs; a prefetch thread does not."""
-    if prefetch == "process":
-        (inner,) = grain_state["iterators_in_use_states"]
-        return dict(inner)
-    return grain_state
-
-
-def _wrapped_state(pipeline: dict[str, Any], iterator: Any, prefetch: str | None) -> dict[str, Any]:
-    """Grain's state of the whole iterator holding `pipeline` (the inverse of `_pipeline_state`): for a
-    worker process, the iterator's own state layout with the worker's iterator state replaced."""
-    if prefetch != "process":
-        return pipeline
-    outer = dict(iterator.get_state())
-    outer["iterators_in_use_states"] = [pipeline]
-    return outer
-
-
-def _upgrade(state: dict[str, Any]) -> dict[str, Any]:
-    """A state saved before positions were kept per shard ("grain": the whole iterator's state, identity
-    with the process layout and prefetch mode) in today's form."""
-    if "shards" in state or "grain" not in state:
-        return state
-    identity = dict(state.get("identity") or {})
-    index, count, prefetch = identity.pop("process_index", 0), identity.pop("process_count", 1), identity.pop(
-        "prefetch", None)
-    config = identity.get("config") or {}
-    parts = _pipeline_state(state["grain"], prefetch)["parent"]["parents"]
-    shards = shard_range(int(config.get("num_shards", len(parts) * count)), int(index), int(count))
-    return {"identity": identity, "step": state["step"], "layout": [index, count],
-            "shards": {str(s): part for s, part in zip(shards, parts, strict=True)}}
 
 
 class _OrbaxItem:
