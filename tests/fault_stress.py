@@ -138,6 +138,8 @@ def main() -> int:
     p.add_argument("--kill9", type=int, default=20)
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-kill-s", type=float, help="latest kill moment (default: the reference run's duration; "
+                   "lower it when the machine got faster since, so that the kills land while the run trains)")
     args = p.parse_args()
     rng = random.Random(args.seed)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -156,7 +158,8 @@ def main() -> int:
         results["damaged"].append(damaged_resume(reference, args.out / f"damaged-{i}", kind))
         print(json.dumps(results["damaged"][-1]), flush=True)
     for i in range(args.kill9):
-        results["kill9"].append(killed_and_rerun(reference, args.out / f"kill9-{i}", rng.uniform(1.0, run_s)))
+        after = rng.uniform(1.0, args.max_kill_s or run_s)
+        results["kill9"].append(killed_and_rerun(reference, args.out / f"kill9-{i}", after))
         print(json.dumps(results["kill9"][-1]), flush=True)
     counted = ("foreign_lines", "tracebacks", "lost_steps", "repeated_steps")
     totals = {name: {"runs": len(rs), "nonzero_exits": sum(any(r["exit_codes"]) for r in rs),
