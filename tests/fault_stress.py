@@ -24,6 +24,8 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script: this checkout's `train`, for reading the checkpoints back
+    sys.path.insert(0, str(ROOT))
 TINY = str(ROOT / "configs/tiny.yaml")
 ARGS = ("parallel.strategy=single", "train.progress=false", "train.steps=20", "checkpoint.every=5",
         "checkpoint.max_to_keep=10", "train.log_every=1", "train.eval_every=5")
