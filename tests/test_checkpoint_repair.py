@@ -221,3 +221,34 @@ def test_a_trained_runs_damaged_newest_checkpoint_falls_back_to_the_previous(tin
     assert committed_steps(directory) == [30]
     assert {p.relative_to(directory): p.read_bytes() for p in (directory / "30").rglob("*") if p.is_file()} == intact
     assert [p.name.split("-")[0] for p in (workdir / "checkpoints.damaged").iterdir()] == ["60"]
+
+
+@pytest.mark.parametrize("damage", ["truncate_array_file", "truncate_metadata"])
+def test_a_failed_restore_leaves_no_task_behind_its_closed_event_loop(saved, monkeypatch, damage):
+    """Orbax runs a restore in a fresh event loop and closes it; a read that fails first must not leave the
+    restore's other reads as tasks of the closed loop: they would print "Event loop is closed" tracebacks
+    whenever their TensorStore reads complete or are collected, on a slow machine after the last line."""
+    import asyncio
+
+    from train.checkpoints import event_loops
+
+    _, ckpts, states = saved
+    step_dir = ckpts.directory / "30"
+    if damage == "truncate_array_file":
+        os.truncate(_largest_file(step_dir), 20)
+    else:
+        os.truncate(step_dir / "params" / "_METADATA", 5)
+    left: list[asyncio.Task] = []
+    close = asyncio.BaseEventLoop.close
+
+    def counting_close(loop: asyncio.BaseEventLoop) -> None:
+        left.extend(t for t in asyncio.all_tasks(loop) if not t.done())
+        close(loop)
+
+    monkeypatch.setattr(asyncio.BaseEventLoop, "close", counting_close)
+    assert event_loops.installed()
+    with pytest.raises(Exception):  # noqa: B017 (whatever Orbax raises for the damage)
+        ckpts.restore(30, states[30])
+    assert left == []
+    got = restore_newest_good(ckpts.directory, lambda s: ckpts.restore(s, states[30]))
+    assert got.step == 20 and left == []

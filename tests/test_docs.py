@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from train import __main__ as cli
-from train import diagnose, embed, study
+from train import diagnose, embed, study, verify
 from train.config import ConfigError, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -110,13 +110,15 @@ def _accepted(argv: list[str]) -> None:
         study._parser().parse_args(rest)
     elif command == "embed":
         embed._parser().parse_args(rest)
+    elif command == "verify":
+        verify._parser().parse_args(rest)
     else:
         assert command == "schema" and not rest, argv
 
 
 def test_the_pages_show_the_commands_of_every_kind():
     kinds = {argv[0] if argv and argv[0] in cli.COMMANDS else "train" for _, argv in COMMANDS}
-    assert kinds >= {"train", "evaluate", "predict", "diagnose", "study-ln", "schema", "embed"}, kinds
+    assert kinds >= {"train", "evaluate", "predict", "diagnose", "study-ln", "schema", "embed", "verify"}, kinds
     assert len(COMMANDS) >= 30, COMMANDS
 
 

@@ -21,6 +21,8 @@ import jax
 import numpy as np
 import pytest
 from conftest import STANDARD, PassThrough
+from fault_stress import DAMAGE_KINDS, foreign_lines
+from fault_stress import damage as damage_kind
 
 from train import run
 from train.__main__ import main
@@ -38,7 +40,8 @@ ARGS = ("parallel.strategy=single", "train.progress=false", "train.steps=20", "c
 WIDE = ("parallel.strategy=single", "train.progress=false", "train.steps=20", "checkpoint.every=10",
         "checkpoint.max_to_keep=5", "train.log_every=1", "train.eval_every=10", "model.block.model_dim=256",
         "model.block.ffn_dim=1024", "model.num_layers=4")
-NOISE = ("Traceback", "Exception ignored", "ERROR:absl", "Save Finalize")
+NOISE = ("Traceback", "Exception ignored", "ERROR:absl", "Save Finalize", "Event loop is closed",
+         "leaked shared_memory", "Warning")
 
 
 def cli(workdir: Path, args: tuple[str, ...], *extra: str) -> list[str]:
@@ -80,9 +83,11 @@ def wait_for(predicate, proc: subprocess.Popen, timeout: float = 300) -> None:
 
 
 def clean(err: str) -> None:
-    """No traceback or library noise on stderr."""
+    """No traceback or library noise on stderr: read to the end of the process, every line is one of the
+    command's own, so nothing (a thread's traceback, a warning, garbage collected at exit) follows the last."""
     for noise in NOISE:
         assert noise not in err, err
+    assert foreign_lines(err) == [], err
 
 
 def one_line(err: str, text: str) -> str:
@@ -232,6 +237,66 @@ def test_training_moves_a_damaged_checkpoint_aside_and_continues_exactly(referen
     assert "Traceback" in (moved / DAMAGE_NOTE).read_text()
     assert sorted(p.relative_to(workdir) for p in (workdir / "checkpoints/5").rglob("*")) == before
     assert_same_run(workdir, reference_run[0])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", DAMAGE_KINDS)
+def test_a_damaged_checkpoint_of_every_kind_in_real_processes_ends_with_their_own_lines(whole, tmp_path, kind):
+    """The real commands, read to the end of each process: evaluate names the damage and uses the previous
+    checkpoint, verify reports it, and the rerun moves it aside and continues exactly."""
+    workdir = tmp_path / "run"
+    shutil.copytree(whole, workdir)
+    damage_kind(workdir / "checkpoints" / "20", kind)
+    evaluated = subprocess.run([sys.executable, "-m", "train", "evaluate", "--workdir", str(workdir), "--split",
+                                "validation"], env=env(), capture_output=True, text=True)
+    assert evaluated.returncode == 0, evaluated.stderr
+    clean(evaluated.stderr)
+    assert one_line(evaluated.stderr, "checkpoint 20 is damaged").endswith("using checkpoint 15 (the next training "
+                                                                          "run on this workdir moves the damaged one "
+                                                                          "aside)")
+    verified = subprocess.run([sys.executable, "-m", "train", "verify", "--workdir", str(workdir)], env=env(),
+                              capture_output=True, text=True)
+    assert verified.returncode == 1 and verified.stderr == "", verified.stderr
+    assert "checkpoint 20: damaged (params" in verified.stdout
+    done = resume(workdir, ARGS)
+    assert one_line(done.stderr, "checkpoint 20 is damaged").endswith("resuming from 15")
+    assert_same_run(workdir, whole)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["config", "data"])
+def test_bad_input_in_a_real_process_is_its_one_line_to_the_end(tmp_path, case):
+    if case == "config":
+        bad = tmp_path / "bad.yaml"
+        bad.write_text("model:\n  num_layers: -1\n")
+        command = [sys.executable, "-m", "train", "--config", str(bad), "--workdir", str(tmp_path / "w")]
+    else:
+        data = tmp_path / "reviews.csv"
+        data.write_bytes(b"text,label\n\xff\xfe broken,1\n")
+        command = cli(tmp_path / "w", ARGS, "data.source=file", f"data.path={data}")
+    done = subprocess.run(command, env=env(), capture_output=True, text=True)
+    assert done.returncode == 2, done.stderr
+    clean(done.stderr)
+    assert done.stderr.count("\n") == 1 and done.stderr.startswith("error: ")
+    assert not (tmp_path / "w" / "checkpoints").exists()
+
+
+@pytest.mark.slow
+def test_every_command_in_a_real_process_ends_with_its_own_last_line(whole, tmp_path):
+    """Each read-only command on a finished run, read to the end of its process: exit 0 and nothing on
+    stderr that is not the command's own (no thread, event loop or garbage collector printing at exit)."""
+    commands = {
+        "evaluate": ["evaluate", "--workdir", str(whole), "--split", "test"],
+        "predict": ["predict", "--workdir", str(whole), "1 2 3 4", "5 6 7"],
+        "verify": ["verify", "--workdir", str(whole)],
+        "schema": ["schema"],
+        "diagnose": ["diagnose", "--workdir", str(whole), "--random", "--out", str(tmp_path / "diagnosis")],
+    }
+    for name, args in commands.items():
+        done = subprocess.run([sys.executable, "-m", "train", *args], env=env(), capture_output=True, text=True)
+        assert done.returncode in ((0, 1) if name == "diagnose" else (0,)), (name, done.stderr)
+        clean(done.stderr)
+        assert done.stdout.strip(), name
 
 
 # --- interrupts -------------------------------------------------------------------------------------

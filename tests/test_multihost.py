@@ -126,3 +126,67 @@ def test_two_process_fsdp_halt_names_the_sublayer_and_saves_nothing_non_finite(t
     ckpt_dir = tmp_path / "checkpoints"
     steps = sorted(int(p.name) for p in ckpt_dir.iterdir() if p.name.isdigit()) if ckpt_dir.is_dir() else []
     assert steps in ([], [2], [2, 4]), steps  # whatever was saved came before the first non-finite step
+
+
+CLI_ARGS = ("train.progress=false", "train.log_every=1", "train.eval_every=100", "checkpoint.every=4",
+            "checkpoint.max_to_keep=10", "optim.schedule=constant", "optim.warmup_steps=0", "parallel.mesh.fsdp=2")
+NOISE = ("Traceback", "Exception ignored", "Event loop is closed", "leaked shared_memory", "ERROR:absl")
+
+
+def together(port: int, processes: int) -> list[list[str]]:
+    """The overrides that make each of `processes` processes join one run (none for a single process)."""
+    if processes == 1:
+        return [["parallel.coordinator=null", "parallel.num_processes=null", "parallel.process_id=null"]]
+    return [[f"parallel.coordinator=127.0.0.1:{port}", f"parallel.num_processes={processes}",
+             f"parallel.process_id={i}"] for i in range(processes)]
+
+
+def session(config: str, workdir: Path, steps: int, processes: int, devices: int, *extra: str) -> list[str]:
+    """One session of a run on `processes` x `devices`; every process's whole output, checked for noise."""
+    base = [sys.executable, "-m", "train", "--config", config, "--workdir", str(workdir), *CLI_ARGS,
+            f"train.steps={steps}", *extra]
+    outputs = run_processes([base + own for own in together(free_port(), processes)], child_env(devices), ROOT)
+    for out in outputs:
+        assert not any(noise in out for noise in NOISE), out[-3000:]
+    return outputs
+
+
+def assert_losses_match(got: dict[int, float], want: dict[int, float], steps: int) -> None:
+    """Each step logged once, with the loss of the uninterrupted run: the same global batches, so every
+    example was read exactly as often as in the uninterrupted run."""
+    assert sorted(got) == sorted(want) == list(range(1, steps + 1))
+    np.testing.assert_allclose([got[s] for s in got], [want[s] for s in got], atol=2e-5, rtol=0)
+
+
+@pytest.mark.slow
+def test_a_damaged_newest_checkpoint_is_moved_once_and_every_process_resumes_from_the_same_step(tmp_path: Path):
+    """1 process x 8 devices trains 8 steps; its newest checkpoint is damaged; 2 processes x 4 devices
+    resume (in-memory data, so also 1 -> 2 processes): both detect the damage, process 0 moves it aside
+    once while process 1 waits, and both continue from step 4 to the losses of an uninterrupted run."""
+    from fault_stress import damage
+
+    one, two = tmp_path / "one", tmp_path / "two"
+    session("configs/tiny.yaml", one, 12, 1, 8)
+    session("configs/tiny.yaml", two, 8, 1, 8)
+    damage(two / "checkpoints" / "8", "truncate_array_file")
+    first, second = session("configs/tiny.yaml", two, 12, 2, 4)
+    notes = [line for line in first.splitlines() if "is damaged" in line]
+    assert len(notes) == 1 and notes[0].startswith("checkpoint 8 is damaged (params/"), first
+    assert "moved to checkpoints.damaged/8-" in notes[0] and notes[0].endswith("resuming from 4")
+    assert "resuming from step 4" in first and "is damaged" not in second and "resuming" not in second
+    assert [p.name.split("-")[0] for p in (two / "checkpoints.damaged").iterdir()] == ["8"]
+    assert_losses_match(train_losses(two), train_losses(one), 12)
+
+
+@pytest.mark.slow
+def test_a_streamed_run_resumes_on_another_process_count_reading_each_example_once(tmp_path: Path):
+    """Masked-LM pretraining streamed from a corpus: 2 processes x 4 devices train 4 steps, 1 process x 4
+    devices continues to 8, 2 processes x 2 devices to 12: every step logs the loss of 1 process x 8
+    devices reading the stream straight through (the same global batches, so each example once)."""
+    cache = f"data.cache_dir={tmp_path / 'cache'}"
+    config = "configs/pretrain_tiny.yaml"
+    straight, elastic = tmp_path / "straight", tmp_path / "elastic"
+    session(config, straight, 12, 1, 8, cache, "checkpoint.async_save=false")
+    for steps, processes, devices in ((4, 2, 4), (8, 1, 4), (12, 2, 2)):
+        session(config, elastic, steps, processes, devices, cache, "checkpoint.async_save=false")
+    assert_losses_match(train_losses(elastic), train_losses(straight), 12)

@@ -7,6 +7,7 @@
     python -m train study-ln ...                                    the Pre-LN vs Post-LN study
     python -m train schema                                          every config key with its default
     python -m train embed --model hf:<dir|name> --out F.npy ...       sentence embeddings (train/embed.py)
+    python -m train verify --workdir W                              read every checkpoint back, write nothing
 
 Exit codes: 0 success; 1 a check failed or the run halted on non-finite values; 2 bad input, usage, a busy
 workdir, a damaged checkpoint or a full disk (one line on stderr, nothing already written lost); 130
@@ -42,6 +43,8 @@ commands:
   schema     print every config key with its default and description (Markdown)
   embed      --model hf:<dir>|hf:all-MiniLM-L6-v2 (TEXT ... | --input F|-) --out F.npy|F.jsonl: sentence
              embeddings pooled the checkpoint's own way (see embed --help)
+  verify     --workdir W [--json]: read every checkpoint back and report, per step, whether it restores
+             and what is damaged, moving nothing (exit 0 all restore, 1 some damaged, 2 bad input)
 
 overrides are dotted key=value pairs parsed as YAML, e.g. model.num_layers=6 optim.lr=3e-4
 train.steps=2000 data.source=file data.path=reviews.csv
@@ -209,8 +212,12 @@ def cmd_embed(argv: list[str], interrupts: Any = None) -> int:
     return _delegate("train.embed", argv)
 
 
+def cmd_verify(argv: list[str], interrupts: Any = None) -> int:
+    return _delegate("train.verify", argv)
+
+
 COMMANDS = {"evaluate": cmd_evaluate, "predict": cmd_predict, "schema": cmd_schema, "diagnose": cmd_diagnose,
-            "study-ln": cmd_study, "embed": cmd_embed, "train": cmd_train}
+            "study-ln": cmd_study, "embed": cmd_embed, "verify": cmd_verify, "train": cmd_train}
 
 
 def _unknown_command(argv: list[str]) -> str | None:

@@ -16,8 +16,10 @@ unchanged. When no step restores, nothing is moved and DamagedCheckpointError sa
 Verification is the restore itself: the caller needs the arrays anyway, and an OCDBT checkpoint records no
 per-file sizes or checksums to compare cheaply (a truncated file is found only by reading it). The cost of a
 failed attempt is one partial read. Damage that still decodes (flipped bits inside a chunk) is not detected.
-Several hosts: every process must call this with the same steps on disk; only the primary process moves
-directories (`primary=`), and the others must then reload their managers.
+Several hosts: every process calls this with the same steps on disk; they try each step in lockstep and
+agree (an all-gather) on whether all of them restored it, so all resume from the same good step; only the
+primary process moves directories (`primary=`), the others wait for it at a barrier and then, like it,
+reload their managers.
 """
 
 from __future__ import annotations
@@ -96,8 +98,8 @@ def describe_damage(err: BaseException, step_dir: Path) -> str | None:
             if isinstance(e, json.JSONDecodeError):
                 return f"{_first_bad_json(step_dir) or 'a metadata file'}: not valid JSON ({e.msg})"
             if isinstance(e, KeyError):  # Orbax's item lookup: 'Item "params" was not found ...' or 'params'
-                item = re.search(r'Item "([^"]+)" was not found', text)
-                return f"{item[1] if item else text}: missing"
+                item = re.search(r'Item "([^"]+)" was not found|Unknown key: (\w+)', text)
+                return f"{(item[1] or item[2]) if item else text}: missing"
             return f"{where}: missing" if where else text.split(". ")[0]
     return None
 
@@ -169,6 +171,7 @@ def restore_newest_good(
     *,
     steps: list[int] | None = None,
     primary: bool = True,
+    together: bool | None = None,
 ) -> Restored:
     """Restore the newest step of an Orbax CheckpointManager `directory` that reads back.
 
@@ -179,11 +182,20 @@ def restore_newest_good(
     from 60". A CheckpointError from restore_fn that is not damage (shapes differ) and any other error
     propagate. Raises DamagedCheckpointError, moving nothing, when every step is damaged.
     After steps were moved, a CheckpointManager opened earlier on `directory` must `reload()`.
+
+    together (default: when JAX runs several processes): every process of the run calls this with the
+    same steps, and they go through them in lockstep: each tries a step, then they agree (one small
+    all-gather) whether every process restored it, so a step damaged only in the files one process reads
+    is refused by all, and all resume from the same good step. The primary process then moves the
+    damaged steps while the others wait at a barrier, so no process reads the directory mid-move.
     """
     directory = Path(directory).absolute()
+    if together is None:
+        together = _process_count() > 1
     candidates = sorted(committed_steps(directory) if steps is None else steps, reverse=True)
     damaged: list[tuple[int, str, str]] = []  # (step, one-line reason, full detail)
     for step in candidates:
+        value, failure = None, None
         with quiet_stderr() as noise:
             try:
                 value = restore_fn(step)
@@ -191,17 +203,13 @@ def restore_newest_good(
                 reason = describe_damage(err, directory / str(step))
                 if reason is None:
                     raise
-                detail = "".join(traceback.format_exception(err)) + "\n--- stderr ---\n" + _read(noise)
-                damaged.append((step, reason, detail))
-                continue
-        notes = []
-        for bad, reason, detail in damaged:
-            where = "left in place (not the primary process)"
-            if primary:
-                moved = quarantine(directory, bad, detail)
-                where = f"moved to {moved.parent.name}/{moved.name}"
-            notes.append(f"checkpoint {bad} is damaged ({reason}); {where}; resuming from {step}")
-        return Restored(step, value, notes)
+                failure = (step, reason, "".join(traceback.format_exception(err)) + "\n--- stderr ---\n" + _read(noise))
+        if together:
+            failure = _agreed_failure(step, failure)
+        if failure is not None:
+            damaged.append(failure)
+            continue
+        return Restored(step, value, _set_aside(directory, damaged, step, primary, together))
     if damaged:
         listed = "; ".join(f"checkpoint {s}: {r}" for s, r, _ in damaged)
         raise DamagedCheckpointError(
@@ -209,6 +217,54 @@ def restore_newest_good(
             "workdir, or use a new --workdir"
         )
     return Restored(None)
+
+
+def _set_aside(directory: Path, damaged: list[tuple[int, str, str]], step: int, primary: bool,
+               together: bool) -> list[str]:
+    """Move the damaged steps (the primary process); with `together`, the others wait until it has."""
+    notes = []
+    for bad, reason, detail in damaged:
+        where = "left in place (not the primary process)"
+        if primary:
+            moved = quarantine(directory, bad, detail)
+            where = f"moved to {moved.parent.name}/{moved.name}"
+        elif together:
+            where = f"moved to {directory.name}{DAMAGED_SUFFIX}/ by the primary process"
+        notes.append(f"checkpoint {bad} is damaged ({reason}); {where}; resuming from {step}")
+    if together and damaged:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(f"damaged checkpoints before {step} moved aside")
+    return notes
+
+
+def _process_count() -> int:
+    import jax
+
+    return int(jax.process_count())
+
+
+def _agreed_failure(step: int, failure: tuple[int, str, str] | None) -> tuple[int, str, str] | None:
+    """Every process's outcome of restoring `step`, gathered: None when all restored it, else the first
+    failing process's (step, reason, detail), the reason naming that process when it is another one."""
+    import json
+
+    import jax
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    mine = json.dumps(None if failure is None else [failure[1], failure[2][-4000:]]).encode()
+    raw = np.frombuffer(mine, np.uint8)
+    sizes = np.asarray(multihost_utils.process_allgather(np.asarray([raw.size], np.int64))).reshape(-1)
+    padded = np.zeros(int(sizes.max()), np.uint8)
+    padded[:raw.size] = raw
+    everyone = np.asarray(multihost_utils.process_allgather(padded)).reshape(len(sizes), -1)
+    outcomes = [json.loads(everyone[i, :n].tobytes()) for i, n in enumerate(sizes)]
+    for index, outcome in enumerate(outcomes):
+        if outcome is not None:
+            reason = outcome[0] if index == jax.process_index() else f"{outcome[0]}, read by process {index}"
+            return step, reason, outcome[1]
+    return None
 
 
 def _read(path: Path) -> str:

@@ -19,9 +19,9 @@ from train.checkpoints.repair import committed_steps, describe_damage, quiet_std
 from train.checkpoints.store import (
     CHECKPOINT_DIR,
     TOKENIZER_DIR,
-    _reader,
     best_or_latest,
     check_compatible,
+    read_only_manager,
     read_run_config,
 )
 from train.config import Config, apply_overrides, config_from_dict
@@ -78,7 +78,7 @@ def restore_run(workdir: Path | str, step: int | None = None, *, overrides: list
         return RestoredRun(workdir, used, config, value["params"], tokenizer, list(value["meta"]["label_names"]),
                            notes)
 
-    with _reader(directory, config.checkpoint if prefer == "best" else None) as manager:
+    with read_only_manager(directory, config.checkpoint if prefer == "best" else None) as manager:
         chosen = step if step is not None else (best_or_latest(manager, config.checkpoint) if prefer == "best"
                                                 else steps[-1])
 
@@ -95,7 +95,8 @@ def restore_run(workdir: Path | str, step: int | None = None, *, overrides: list
                 if reason is None:
                     raise
         others = [s for s in steps if s != chosen]
-        found = restore_newest_good(directory, restore, steps=others, primary=False) if others else None
+        found = (restore_newest_good(directory, restore, steps=others, primary=False, together=False)
+                 if others else None)
         if found is None or found.step is None:
             raise CheckpointError(f"checkpoint {chosen} in {workdir} is damaged ({reason}) and no other "
                                   "checkpoint restores: train again in a new --workdir")

@@ -29,6 +29,7 @@ import orbax.checkpoint as ocp
 import yaml
 from orbax.checkpoint import checkpoint_managers
 
+from train.checkpoints import event_loops
 from train.config import CheckpointConfig, Config, ConfigError, config_from_dict
 from train.errors import CheckpointError, DamagedCheckpointError
 from train.loop.state import TrainState
@@ -47,6 +48,7 @@ class _ReadOnlyNotice(logging.Filter):
 
 
 logging.getLogger("absl").addFilter(_ReadOnlyNotice())
+event_loops.install()  # a failed restore or save leaves no task behind its closed event loop
 
 
 def _handlers() -> dict[str, ocp.CheckpointHandler]:
@@ -75,7 +77,7 @@ def latest_step(workdir: Path) -> int | None:
     directory = Path(workdir) / CHECKPOINT_DIR
     if not directory.is_dir():
         return None
-    with _reader(directory) as manager:
+    with read_only_manager(directory) as manager:
         return manager.latest_step()
 
 
@@ -84,7 +86,8 @@ def _best_fn(cfg: CheckpointConfig) -> Any:
     return (lambda metrics: metrics[cfg.best_metric]) if cfg.keep_best and cfg.best_metric else None
 
 
-def _reader(directory: Path, cfg: CheckpointConfig | None = None) -> ocp.CheckpointManager:
+def read_only_manager(directory: Path, cfg: CheckpointConfig | None = None) -> ocp.CheckpointManager:
+    """A CheckpointManager that only reads `directory` (restore, verify): nothing is created or moved."""
     # Read-only with the options it implies spelled out: Orbax overrides (and logs a warning for) any
     # setting that would write, i.e. its defaults save_interval_steps=1 and create=True.
     options = ocp.CheckpointManagerOptions(
@@ -164,7 +167,7 @@ def _path_name(path: tuple[Any, ...]) -> str:
 def check_compatible(workdir: Path, step: int, params: Any) -> None:
     """Raise CheckpointError naming the first parameter whose shape differs from `params` (arrays or
     ShapeDtypeStructs built from the config), or that only one of the two has."""
-    with _reader(Path(workdir) / CHECKPOINT_DIR) as manager:
+    with read_only_manager(Path(workdir) / CHECKPOINT_DIR) as manager:
         try:
             saved = manager.item_metadata(step)["params"]
         except Exception as err:  # Orbax raises assorted errors for unreadable metadata

@@ -93,9 +93,10 @@ class StreamBatches:
     """Batches streamed from a corpus too large for memory (train/data/stream.py, Grain), masked for MLM.
 
     Training reads one endless stream in step order: `batch(step)` must be called for steps 0, 1, 2, ...
-    (from the restored step on resume). Its reading position (`state()`) is the stream's Grain state and
-    travels in every checkpoint, so a resumed run reads, packs and masks exactly the rows the
-    uninterrupted one would have. This process reads only its share of the logical shards (`share`).
+    (from the restored step on resume). Its reading position (`state()`: every process's position per
+    logical shard) travels in every checkpoint, so a resumed run reads, packs and masks exactly the rows
+    the uninterrupted one would have, also on another process count. This process reads only its share
+    of the logical shards (`share`).
     Evaluation reads the held-out files afresh each time (no prefetch): "validation" is their first
     `data.eval_batches` batches, "test" the next as many; the masking is keyed by a fixed seed, so every
     evaluation scores the same positions.
@@ -182,16 +183,17 @@ class StreamBatches:
         return {"processes": _allgather_json(self.stream.get_state())}
 
     def restore(self, state: dict[str, Any] | None) -> None:
+        """Continue from the positions every process saved. They are kept per logical corpus shard, so the
+        run resumes on any process count that divides the shard count (2 -> 1, 1 -> 2, ...): each process
+        takes the positions of the shards it now reads, and the global batches go on as before."""
         from train.data.datasets import DataError
+        from train.data.stream import merge_states
 
         saved = (state or {}).get("processes")
         if not saved:
             raise DataError("the checkpoint holds no input-stream position (data_state): it was not written by a "
                             "streamed run; resume with the run's own config or start a new workdir")
-        if len(saved) != self.process_count:
-            raise DataError(f"the run was saved by {len(saved)} processes but resumes with {self.process_count}: a "
-                            "streamed run resumes with the process count it was saved with")
-        self.stream.set_state(saved[self.process_index])
+        self.stream.set_state(merge_states(saved))
 
     def close(self) -> None:
         self.stream.close()

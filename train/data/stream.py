@@ -15,10 +15,14 @@ first-fit packed into rows of L tokens -> N/Z rows per step. Process p of W runs
 (every process's rows in process order) is the same for any W that divides Z: 1 process x 8 devices
 and 2 processes x 4 see the same global rows, and the MLM corruption keyed by global row matches too.
 
-State: `BatchStream.get_state()` is a JSON-able dict (Grain's iterator state plus the stream's identity);
-`set_state` restores it, after which the stream yields exactly the batches the uninterrupted one would
-have. `grain.checkpoint.CheckpointSave(stream.orbax_item)` / `CheckpointRestore(stream.orbax_item)` put it
-in an Orbax checkpoint (Grain's handler: one JSON file per process).
+State: `BatchStream.get_state()` is a JSON-able dict: the position of each logical shard this process
+reads (Grain's state of that shard's pipeline: block position, shuffle window, packer), the step, and the
+stream's identity (config, tokenizer). A position belongs to a shard, not to a process, so the states of
+every process of a run (`merge_states`) resume the same global stream on any process count that divides
+K, with any prefetch mode: 2 processes -> 1 or 1 -> 2 continue with exactly the rows the uninterrupted
+stream would have given, each example once. `set_state` refuses a state of another identity.
+`grain.checkpoint.CheckpointSave(stream.orbax_item)` / `CheckpointRestore(stream.orbax_item)` put one
+process's state in an Orbax checkpoint (Grain's handler: one JSON file per process).
 
 Batch (dict of NumPy arrays): tokens int32[N, L], valid_tokens bool[N, L] (True = real token, real tokens
 first in each row), segment_ids int32[N, L] (0.. per example in row order, -1 on padding); with
@@ -27,10 +31,13 @@ masking also mlm_targets int32[N, L] and mlm_weights float32[N, L] (`train.data.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import glob
 import itertools
 import json
 import os
+import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -49,9 +56,10 @@ from grain.experimental import (
 
 from train.data.datasets import DataError
 from train.data.masking import MaskingSpec, mask_batch
+from train.data.stream_positions import merge_states, pipeline_state, upgrade, wrapped_state
 from train.data.tokenizer import Tokenizer
 
-__all__ = ["BatchStream", "CorpusBlocks", "StreamConfig", "corpus_files", "shard_range"]
+__all__ = ["BatchStream", "CorpusBlocks", "StreamConfig", "corpus_files", "merge_states", "shard_range"]
 
 Batch = dict[str, np.ndarray]
 FORMATS = ("text", "jsonl", "arrayrecord")
@@ -302,6 +310,7 @@ class BatchStream(Iterator[Batch]):
             raise DataError(f"the corpus has {len(blocks)} blocks for {cfg.num_shards} shards: lower the block "
                             "size, lower the shard count, or add text")
         self.config, self.process_index, self.process_count = cfg, process_index, process_count
+        self.shards = shards
         self.rows = cfg.batch_rows // process_count
         self.read_threads, self.prefetch = read_threads, prefetch
         self.tokenizer_kind, self.tokenizer_vocab = tokenizer.kind, tokenizer.vocab_size
@@ -317,8 +326,16 @@ class BatchStream(Iterator[Batch]):
             ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=1, per_worker_buffer_size=buffer))
         elif prefetch is not None:
             raise DataError(f"unknown prefetch '{prefetch}': use none, thread or process")
-        self._iterator = iter(ds)
+        # The iterator lives in a holder the finalizer empties, so that no reference outlives the release.
+        self._holder: list[Any] = [iter(ds)]
+        self._release = weakref.finalize(self, _release_iterator, self._holder)
         self.step = 0
+
+    @property
+    def _iterator(self) -> Any:
+        if not self._holder:
+            raise RuntimeError("the stream was closed: make a new BatchStream (and set_state) to read on")
+        return self._holder[0]
 
     def _shard(self, blocks: CorpusBlocks, shard: int, tokenizer: Tokenizer, rows: int) -> grain.IterDataset:
         cfg = self.config
@@ -337,26 +354,46 @@ class BatchStream(Iterator[Batch]):
 
     def __next__(self) -> Batch:
         batch = next(self._iterator)
+        if self.prefetch == "process":
+            # The worker hands each array over in a shared-memory segment, unlinked when the array is
+            # deleted. A batch still referenced at interpreter exit (the loop's last batch) is deleted after
+            # the modules it needs, is never unlinked, and multiprocessing warns "leaked shared_memory":
+            # keep private copies and release the segments now.
+            batch = {key: np.array(value) for key, value in batch.items()}
         self.step += 1
         return batch
 
     def identity(self) -> dict[str, Any]:
-        """What a saved state is only valid for: the stream's config and this process's place."""
+        """What a saved state is only valid for: the stream's config and the tokenizer (positions count
+        tokenized examples). Neither the process layout nor the prefetch mode is part of it: a position
+        is kept per logical shard, and any process that reads a shard can continue it."""
         return {"config": {**asdict(self.config), "paths": list(self.config.paths)},
-                "process_index": self.process_index, "process_count": self.process_count,
-                "prefetch": self.prefetch,  # Grain's state layout differs with a worker process
-                "tokenizer": [self.tokenizer_kind, self.tokenizer_vocab]}  # positions count tokenized examples
+                "tokenizer": [self.tokenizer_kind, self.tokenizer_vocab]}
 
     def get_state(self) -> dict[str, Any]:
-        """JSON-able: restoring it with `set_state` resumes at the next batch exactly."""
-        return {"identity": self.identity(), "step": self.step, "grain": self._iterator.get_state()}
+        """JSON-able: this process's position, one entry per logical shard it reads ("shards": {shard:
+        Grain state of that shard's pipeline}) plus the step. `set_state` with the states of every process
+        (`merge_states`) resumes at the next batch exactly, on any process count that divides the shards."""
+        pipeline = pipeline_state(self._iterator.get_state(), self.prefetch)
+        parts = pipeline["parent"]["parents"]
+        return {"identity": self.identity(), "step": self.step, "layout": [self.process_index, self.process_count],
+                "shards": {str(s): part for s, part in zip(self.shards, parts, strict=True)}}
 
     def set_state(self, state: dict[str, Any]) -> None:
+        """Continue from `state`: one process's `get_state()`, or `merge_states` of every process's. It
+        must hold a position for each shard this process reads (any layout that saved them)."""
+        state = upgrade(state)
         if state.get("identity") != json.loads(json.dumps(self.identity())):
-            raise DataError("the saved input-stream state belongs to a different corpus, batch, process layout or "
-                            "prefetch mode: resume with the run's data settings and process count, or start a new "
+            raise DataError("the saved input-stream state belongs to a different corpus, batch size, shard count, "
+                            "row length, seed or tokenizer: resume with the run's data settings, or start a new "
                             "workdir")
-        self._iterator.set_state(state["grain"])
+        missing = [s for s in self.shards if str(s) not in state["shards"]]
+        if missing:
+            raise DataError(f"the saved input-stream state has no position for corpus shards {missing}: pass the "
+                            "states of every process that saved the run (merge_states)")
+        parents = [state["shards"][str(s)] for s in self.shards]
+        pipeline = {"parent": {"parents": parents}, "counter": int(state["step"])}
+        self._iterator.set_state(wrapped_state(pipeline, self._iterator, self.prefetch))
         self.step = int(state["step"])
 
     @property
@@ -365,9 +402,41 @@ class BatchStream(Iterator[Batch]):
         return _OrbaxItem(self)
 
     def close(self) -> None:
-        close = getattr(self._iterator, "close", None)
-        if close is not None:
-            close()
+        """Stop the prefetch thread or worker process and release everything it holds now (idempotent).
+        A stream not closed is closed when the interpreter starts to exit (weakref.finalize), before the
+        modules its objects need are torn down."""
+        self._release()
+
+    def __enter__(self) -> BatchStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _release_iterator(holder: list[Any]) -> None:
+    """Close a Grain iterator and release what it holds, now rather than at interpreter exit: Grain's
+    iterators finalized during shutdown print 'Exception ignored' errors, and the shared-memory segments
+    of a worker's batches would be reported leaked."""
+    if not holder:
+        return
+    iterator = holder.pop()
+    close = getattr(iterator, "close", None)
+    if close is not None:
+        close()  # the worker stops; the batches it had buffered are unlinked
+    del iterator, close
+    gc.collect()  # Grain's iterator objects (and any shared-memory array) are finalized here
+    _wait_for_shared_memory_release()
+
+def _wait_for_shared_memory_release() -> None:
+    """Grain unlinks a released shared-memory segment in a one-thread pool (asynchronously); the pool runs
+    its tasks in order, so an empty task returning means every earlier release is done."""
+    from grain._src.python.ipc.shared_memory_array import SharedMemoryArray
+
+    pool = getattr(SharedMemoryArray, "_del_thread_pool", None)
+    if pool is not None:
+        with contextlib.suppress(Exception):
+            pool.apply(int)
 
 
 class _OrbaxItem:
