@@ -45,7 +45,8 @@ def assert_same(got: list[dict[str, np.ndarray]], want: list[dict[str, np.ndarra
             np.testing.assert_array_equal(g[key], w[key], err_msg=key)
 
 
-@pytest.mark.parametrize(("before", "after"), [(2, 1), (1, 2), (4, 2), (2, 4)])
+@pytest.mark.parametrize(("before", "after"), [(2, 1), (1, 2), pytest.param(4, 2, marks=pytest.mark.slow),
+                                               pytest.param(2, 4, marks=pytest.mark.slow)])
 def test_a_stream_saved_by_p_processes_continues_on_p_prime_exactly_once(numbered, before, after):  # noqa: F811
     whole = global_batches(streams(numbered, 1), BEFORE + AFTER)
     first = streams(numbered, before)
@@ -68,6 +69,7 @@ def lines(batch: dict[str, np.ndarray]) -> list[int]:
     return lines_in({"tokens": original, "valid_tokens": batch["valid_tokens"]})
 
 
+@pytest.mark.slow
 def test_the_prefetch_mode_may_change_on_resume(numbered):  # noqa: F811
     whole = global_batches(streams(numbered, 1), BEFORE + AFTER)
     first = streams(numbered, 2)

@@ -36,7 +36,8 @@ def test_a_good_workdir_reports_every_step_and_exits_0(copy, capsys):
     assert snapshot(copy) == before
 
 
-@pytest.mark.parametrize("kind", DAMAGE_KINDS)
+@pytest.mark.parametrize("kind", [k if k == DAMAGE_KINDS[0] else pytest.param(k, marks=pytest.mark.slow)
+                                  for k in DAMAGE_KINDS])  # one kind by default, every kind with -m slow
 def test_damage_of_every_kind_is_named_per_step_and_nothing_moves(copy, capsys, kind):
     damage(copy / "checkpoints" / "10", kind)
     before = snapshot(copy)
