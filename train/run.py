@@ -171,8 +171,9 @@ def prepare(plan: Plan) -> str | None:
     atomic_write(path, json.dumps(record, indent=2) + "\n")
     if not changed:
         return None
-    return (f"resuming from step {plan.start_step} with changed settings: {'; '.join(changed)} "
-            f"(earlier configs kept in {HISTORY_DIR}/)")
+    # No step here: the trainer may still fall back past a damaged newest checkpoint, and its own line
+    # names the step it resumes from.
+    return f"settings changed since the last session: {'; '.join(changed)} (earlier configs kept in {HISTORY_DIR}/)"
 
 
 def train(config: Config, workdir: Path, *, batches: Callable[[BatchSource], BatchSource] | None = None,
