@@ -94,9 +94,10 @@ def _params_equal(a: Path, b: Path) -> bool:
     import jax
     import numpy as np
 
-    from train.checkpoints.store import latest_step, load_for_inference
+    from train.checkpoints.restore import restore_run
+    from train.checkpoints.store import latest_step
 
-    x, y = (jax.tree.leaves(load_for_inference(w, latest_step(w))[1]) for w in (a, b))
+    x, y = (jax.tree.leaves(restore_run(w, latest_step(w)).params) for w in (a, b))
     return len(x) == len(y) and all(np.array_equal(np.asarray(p), np.asarray(q)) for p, q in zip(x, y, strict=True))
 
 

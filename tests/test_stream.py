@@ -227,6 +227,4 @@ def test_process_prefetch_resumes_exactly(numbered: Path) -> None:
     for a, b, c in zip(expected, take(resumed, 10), inline, strict=True):
         np.testing.assert_array_equal(a["tokens"], b["tokens"])
         np.testing.assert_array_equal(a["tokens"], c["tokens"])
-    resumed.close()
-    with pytest.raises(DataError, match="prefetch mode"):
-        BatchStream(config(numbered), TOK).set_state(state)
+    resumed.close()  # an inline stream may take this state too: tests/test_elastic_resume.py
