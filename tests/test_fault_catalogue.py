@@ -202,16 +202,6 @@ def test_evaluate_and_predict_on_a_damaged_checkpoint(reference_run, tmp_path, c
     assert captured.out.endswith("checkpoint 5)\n")
     assert committed_steps(workdir / "checkpoints") == [5, 10]  # read-only: nothing moved
 
-    # diagnose reads the same way: the note, then the report of checkpoint 5 (exit 0, or 1 for a failed check)
-    assert main(["diagnose", "--workdir", str(workdir), "--random", "--out", str(tmp_path / "diagnosis")]) in (0, 1)
-    captured = capsys.readouterr()
-    clean(captured.err)
-    assert one_line(captured.err, "checkpoint 10 is damaged (params/").endswith("using checkpoint 5 (the next "
-                                                                               "training run on this workdir "
-                                                                               "moves the damaged one aside)")
-    assert (tmp_path / "diagnosis" / "report.md").is_file()
-    assert committed_steps(workdir / "checkpoints") == [5, 10]
-
     assert main(["predict", "--workdir", str(workdir), "--step", "10", "1 2 3"]) == 2
     err = capsys.readouterr().err
     clean(err)
@@ -220,6 +210,23 @@ def test_evaluate_and_predict_on_a_damaged_checkpoint(reference_run, tmp_path, c
     assert main(["evaluate", "--workdir", str(workdir), "--step", "7"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "no checkpoint 7" in err and "it has checkpoints 5, 10" in err
+
+
+@pytest.mark.slow
+def test_diagnose_on_a_damaged_checkpoint_reads_the_newest_good_one(reference_run, tmp_path, capsys):
+    """diagnose reads as evaluate does: the note, then the report of checkpoint 5 (exit 0, or 1 for a failed
+    check), nothing moved. Slow: the whole debugging path runs (evaluate/predict above stay in the default suite)."""
+    workdir = tmp_path / "run"
+    shutil.copytree(reference_run[0], workdir)
+    damage(workdir, 10)
+    assert main(["diagnose", "--workdir", str(workdir), "--random", "--out", str(tmp_path / "diagnosis")]) in (0, 1)
+    captured = capsys.readouterr()
+    clean(captured.err)
+    assert one_line(captured.err, "checkpoint 10 is damaged (params/").endswith("using checkpoint 5 (the next "
+                                                                               "training run on this workdir "
+                                                                               "moves the damaged one aside)")
+    assert (tmp_path / "diagnosis" / "report.md").is_file()
+    assert committed_steps(workdir / "checkpoints") == [5, 10]
 
 
 @pytest.mark.slow
