@@ -54,6 +54,14 @@ SENTIMENT_LABELS = ["negative", "positive"]
 Fetcher = Callable[[Path], Path]  # download directory -> path of the sdist .tar.gz
 
 
+def check_process(process_index: int, process_count: int) -> None:
+    """DataError (one line) unless process `process_index` of `process_count` exists: the check every
+    per-process share of the data (in-memory batches, streamed corpus shards) starts with."""
+    if process_count < 1 or not 0 <= process_index < process_count:
+        raise DataError(f"process {process_index} of {process_count} is not a valid process: check "
+                        "parallel.process_id and parallel.num_processes")
+
+
 def default_cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "jaxblock"
 

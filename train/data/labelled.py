@@ -27,6 +27,7 @@ from train.data.datasets import (
     VADER_FILES,
     DataError,
     Examples,
+    check_process,
     load_file,
     load_vader,
     synthetic_examples,
@@ -180,9 +181,7 @@ def _pad(rows: Sequence[np.ndarray], length: int, pad_id: int) -> tuple[np.ndarr
 
 def _share(batch: Batch, process_index: int, process_count: int) -> Batch:
     rows = len(batch["labels"])
-    if process_count < 1 or not 0 <= process_index < process_count:
-        raise DataError(f"process {process_index} of {process_count} is not a valid process: check "
-                        "parallel.process_id and parallel.num_processes")
+    check_process(process_index, process_count)
     if rows % process_count:
         raise DataError(f"batch size {rows} does not divide among {process_count} processes: make "
                         "train.batch_size a multiple of the process count")

@@ -54,7 +54,7 @@ from grain.experimental import (
     ZipIterDataset,
 )
 
-from train.data.datasets import DataError
+from train.data.datasets import DataError, check_process
 from train.data.masking import MaskingSpec, mask_batch
 from train.data.stream_positions import merge_states, pipeline_state, upgrade, wrapped_state
 from train.data.tokenizer import Tokenizer
@@ -116,9 +116,7 @@ def _format(path: Path, fmt: str) -> str:
 
 def shard_range(num_shards: int, process_index: int, process_count: int) -> range:
     """The logical shards process p of W reads: a contiguous run of Z/W."""
-    if process_count < 1 or not 0 <= process_index < process_count:
-        raise DataError(f"process {process_index} of {process_count} is not a valid process: check "
-                        "parallel.process_id and parallel.num_processes")
+    check_process(process_index, process_count)
     if num_shards % process_count:
         raise DataError(f"{num_shards} corpus shards do not divide among {process_count} processes: set the "
                         "shard count to a multiple of the process count")
