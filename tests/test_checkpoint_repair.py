@@ -14,15 +14,13 @@ import sys
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import updated_state
 
-from jaxblock.model import Classifier
 from train.checkpoints.repair import DAMAGE_NOTE, committed_steps, restore_newest_good
 from train.checkpoints.store import CHECKPOINT_DIR, Checkpoints, DamagedCheckpointError, check_compatible
 from train.config import Config, load_config
-from train.loop.state import create_state, init_params
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -30,19 +28,6 @@ ROOT = Path(__file__).resolve().parents[1]
 def _config() -> Config:
     cfg = load_config(ROOT / "configs/tiny.yaml", ["checkpoint.max_to_keep=5", "checkpoint.async_save=false"])
     return cfg.model_copy(update={"model": cfg.model.model_copy(update={"vocab_size": 16, "num_classes": 2})})
-
-
-def _state(cfg: Config, step: int = 0, seed: int = 0):
-    model = Classifier(cfg.model)
-    state = create_state(model, init_params(model, seed, cfg.data.buckets[-1]), cfg.optim, cfg.train.steps)
-    # One update with random gradients, so that the Adam moments are arrays worth storing (zeros or
-    # constants would compress into the metadata nodes).
-    leaves, tree = jax.tree.flatten(state.params)
-    keys = jax.random.split(jax.random.key(seed), len(leaves))
-    drawn = [jax.random.normal(k, x.shape, x.dtype) for k, x in zip(keys, leaves, strict=True)]
-    grads = jax.tree.unflatten(tree, drawn)
-    state = state.apply_gradients(grads=grads)
-    return state.replace(step=jnp.asarray(step, jnp.int32))
 
 
 def _largest_file(step_dir: Path, item: str = "params") -> Path:
@@ -55,7 +40,7 @@ def states(tmp_path_factory):
     """Three TrainStates of distinct parameters (seed = step) and a workdir holding them as checkpoints
     10, 20, 30, made once: each test damages a copy."""
     cfg = _config()
-    states = {s: _state(cfg, s, seed=s) for s in (10, 20, 30)}
+    states = {s: updated_state(cfg, s, seed=s) for s in (10, 20, 30)}
     template = tmp_path_factory.mktemp("saved")
     ckpts = Checkpoints(template, cfg.checkpoint)
     for state in states.values():
@@ -184,12 +169,12 @@ RESUME = """
 import json, sys
 sys.path.insert(0, sys.argv[2])
 from pathlib import Path
-from test_checkpoint_repair import _state
+from conftest import updated_state
 from train.checkpoints.store import Checkpoints, read_run_config
 from train.checkpoints.repair import restore_newest_good
 workdir = Path(sys.argv[1])
 cfg = read_run_config(workdir)
-ckpts, target = Checkpoints(workdir, cfg.checkpoint), _state(cfg)
+ckpts, target = Checkpoints(workdir, cfg.checkpoint), updated_state(cfg)
 got = restore_newest_good(workdir / "checkpoints", lambda s: ckpts.restore(s, target))
 ckpts.close()
 print(json.dumps({"step": got.step, "restored": int(got.value[0].step), "notes": got.notes}))

@@ -9,12 +9,13 @@ from collections import Counter
 
 import numpy as np
 import pytest
-from test_stream import TOK, config, lines_in, numbered  # noqa: F401 (numbered is a fixture)
+from conftest import lines_in, stream_config, stream_tokenizer
 
 from train.data.datasets import DataError
 from train.data.masking import MaskingSpec
 from train.data.stream import BatchStream, merge_states
 
+TOK = stream_tokenizer()
 SPEC = MaskingSpec.for_tokenizer(TOK)
 BEFORE, AFTER = 5, 7
 
@@ -29,7 +30,7 @@ def global_batches(streams: list[BatchStream], n: int) -> list[dict[str, np.ndar
 
 
 def streams(root, count: int, **kw) -> list[BatchStream]:
-    return [BatchStream(config(root), TOK, process_index=p, process_count=count, masking=SPEC, **kw)
+    return [BatchStream(stream_config(root), TOK, process_index=p, process_count=count, masking=SPEC, **kw)
             for p in range(count)]
 
 
@@ -47,7 +48,7 @@ def assert_same(got: list[dict[str, np.ndarray]], want: list[dict[str, np.ndarra
 
 @pytest.mark.parametrize(("before", "after"), [(2, 1), (1, 2), pytest.param(4, 2, marks=pytest.mark.slow),
                                                pytest.param(2, 4, marks=pytest.mark.slow)])
-def test_a_stream_saved_by_p_processes_continues_on_p_prime_exactly_once(numbered, before, after):  # noqa: F811
+def test_a_stream_saved_by_p_processes_continues_on_p_prime_exactly_once(numbered, before, after):
     whole = global_batches(streams(numbered, 1), BEFORE + AFTER)
     first = streams(numbered, before)
     head = global_batches(first, BEFORE)
@@ -70,7 +71,7 @@ def lines(batch: dict[str, np.ndarray]) -> list[int]:
 
 
 @pytest.mark.slow
-def test_the_prefetch_mode_may_change_on_resume(numbered):  # noqa: F811
+def test_the_prefetch_mode_may_change_on_resume(numbered):
     whole = global_batches(streams(numbered, 1), BEFORE + AFTER)
     first = streams(numbered, 2)
     head = global_batches(first, BEFORE)
@@ -82,7 +83,7 @@ def test_the_prefetch_mode_may_change_on_resume(numbered):  # noqa: F811
         second[0].close()
 
 
-def test_a_state_saved_before_positions_were_per_shard_still_resumes_elsewhere(numbered):  # noqa: F811
+def test_a_state_saved_before_positions_were_per_shard_still_resumes_elsewhere(numbered):
     whole = global_batches(streams(numbered, 1), BEFORE + AFTER)
     first = streams(numbered, 2)
     head = global_batches(first, BEFORE)
@@ -95,7 +96,7 @@ def test_a_state_saved_before_positions_were_per_shard_still_resumes_elsewhere(n
     assert_same(head + global_batches([single], AFTER), whole)
 
 
-def test_missing_or_disagreeing_positions_are_refused_in_one_line(numbered):  # noqa: F811
+def test_missing_or_disagreeing_positions_are_refused_in_one_line(numbered):
     first = streams(numbered, 2)
     global_batches(first, 2)
     states = saved_states(first)
@@ -105,6 +106,6 @@ def test_missing_or_disagreeing_positions_are_refused_in_one_line(numbered):  # 
     next(first[0])
     with pytest.raises(DataError, match="disagree"):
         merge_states([states[0], first[0].get_state()])
-    other = BatchStream(config(numbered, seed=5), TOK)
+    other = BatchStream(stream_config(numbered, seed=5), TOK)
     with pytest.raises(DataError, match="different corpus, batch size"):
         other.set_state(merge_states(states))

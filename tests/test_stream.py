@@ -7,34 +7,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import STREAM_LINES, lines_in, stream_config, stream_tokenizer
 
 from train.data.corpus import generate_corpus, parse_size
 from train.data.datasets import DataError
 from train.data.masking import MaskingSpec
-from train.data.stream import BatchStream, CorpusBlocks, StreamConfig, corpus_files, shard_range
+from train.data.stream import BatchStream, CorpusBlocks, corpus_files, shard_range
 from train.data.tokenizer import ByteTokenizer, IdTokenizer
 
-LINES = 600
-TOK = IdTokenizer(LINES)  # line i is the single word "i" -> token i + 2: every example names its line
-
-
-@pytest.fixture(scope="module")
-def numbered(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Two files: lines "0".."299" (text) and "300".."599" (JSONL)."""
-    root = tmp_path_factory.mktemp("corpus")
-    (root / "a.txt").write_text("".join(f"{i}\n" for i in range(300)))
-    (root / "b.jsonl").write_text("".join(json.dumps({"text": str(i), "n": i}) + "\n" for i in range(300, 600)))
-    return root
-
-
-def config(root: Path, **kw: object) -> StreamConfig:
-    base: dict[str, object] = dict(paths=(str(root),), row_len=8, batch_rows=8, num_shards=4, max_segments=4,
-                                   window=256, block_bytes=64)
-    return StreamConfig(**{**base, **kw})  # type: ignore[arg-type]
-
-
-def lines_in(batch: dict[str, np.ndarray]) -> list[int]:
-    return [int(t) - 2 for t in batch["tokens"][batch["valid_tokens"]]]
+TOK = stream_tokenizer()
 
 
 def take(stream: BatchStream, n: int) -> list[dict[str, np.ndarray]]:
@@ -45,7 +26,7 @@ def test_blocks_read_every_line_once_in_text_and_jsonl(numbered: Path) -> None:
     blocks = CorpusBlocks(corpus_files([str(numbered)]), block_bytes=50)
     assert blocks.formats == ["text", "jsonl"]
     seen = [int(t) for b in range(len(blocks)) for t in blocks[b]]
-    assert seen == list(range(LINES))
+    assert seen == list(range(STREAM_LINES))
 
 
 def test_process_shares_are_disjoint_and_cover_the_corpus(numbered: Path) -> None:
@@ -54,8 +35,8 @@ def test_process_shares_are_disjoint_and_cover_the_corpus(numbered: Path) -> Non
     for p in range(2):
         shards = shard_range(4, p, 2)
         shares.append({int(t) for b in range(len(blocks)) if b % 4 in shards for t in blocks[b]})
-    assert not shares[0] & shares[1] and shares[0] | shares[1] == set(range(LINES))
-    streams = [BatchStream(config(numbered), TOK, process_index=p, process_count=2) for p in range(2)]
+    assert not shares[0] & shares[1] and shares[0] | shares[1] == set(range(STREAM_LINES))
+    streams = [BatchStream(stream_config(numbered), TOK, process_index=p, process_count=2) for p in range(2)]
     for p, stream in enumerate(streams):  # a process's batches hold only its own lines, all of them in time
         seen = {n for b in take(stream, 60) for n in lines_in(b)}
         assert seen == shares[p]
@@ -63,8 +44,8 @@ def test_process_shares_are_disjoint_and_cover_the_corpus(numbered: Path) -> Non
 
 def test_global_batch_and_masking_do_not_depend_on_the_process_count(numbered: Path) -> None:
     spec = MaskingSpec.for_tokenizer(TOK)
-    whole = take(BatchStream(config(numbered), TOK, masking=spec), 5)
-    halves = [take(BatchStream(config(numbered), TOK, process_index=p, process_count=2, masking=spec), 5)
+    whole = take(BatchStream(stream_config(numbered), TOK, masking=spec), 5)
+    halves = [take(BatchStream(stream_config(numbered), TOK, process_index=p, process_count=2, masking=spec), 5)
               for p in range(2)]
     for step, batch in enumerate(whole):
         assert batch["tokens"].shape == (8, 8) and halves[0][step]["tokens"].shape == (4, 8)
@@ -73,7 +54,7 @@ def test_global_batch_and_masking_do_not_depend_on_the_process_count(numbered: P
 
 
 def test_batches_follow_the_row_convention(numbered: Path) -> None:
-    batch = next(BatchStream(config(numbered), TOK))
+    batch = next(BatchStream(stream_config(numbered), TOK))
     assert batch["tokens"].dtype == np.int32 and batch["segment_ids"].dtype == np.int32
     valid, seg = batch["valid_tokens"], batch["segment_ids"]
     np.testing.assert_array_equal(valid, seg >= 0)
@@ -84,9 +65,9 @@ def test_batches_follow_the_row_convention(numbered: Path) -> None:
 
 
 def test_shuffle_is_seeded(numbered: Path) -> None:
-    a = [lines_in(b) for b in take(BatchStream(config(numbered, seed=1), TOK), 6)]
-    b = [lines_in(b) for b in take(BatchStream(config(numbered, seed=1), TOK), 6)]
-    c = [lines_in(b) for b in take(BatchStream(config(numbered, seed=2), TOK), 6)]
+    a = [lines_in(b) for b in take(BatchStream(stream_config(numbered, seed=1), TOK), 6)]
+    b = [lines_in(b) for b in take(BatchStream(stream_config(numbered, seed=1), TOK), 6)]
+    c = [lines_in(b) for b in take(BatchStream(stream_config(numbered, seed=2), TOK), 6)]
     assert a == b and a != c
     flat = [n for batch in a for n in batch]
     assert flat != sorted(flat)
@@ -94,11 +75,11 @@ def test_shuffle_is_seeded(numbered: Path) -> None:
 
 def test_resume_from_a_saved_state_mid_epoch_is_exact(numbered: Path) -> None:
     spec = MaskingSpec.for_tokenizer(TOK)
-    stream = BatchStream(config(numbered), TOK, masking=spec)
+    stream = BatchStream(stream_config(numbered), TOK, masking=spec)
     take(stream, 13)  # mid-epoch, mid-window, mid-block
     state = json.loads(json.dumps(stream.get_state()))  # as it travels through a JSON checkpoint file
     expected = take(stream, 30)  # runs past the epoch boundary
-    resumed = BatchStream(config(numbered), TOK, masking=spec)
+    resumed = BatchStream(stream_config(numbered), TOK, masking=spec)
     resumed.set_state(state)
     assert resumed.step == 13
     for a, b in zip(expected, take(resumed, 30), strict=True):
@@ -107,25 +88,25 @@ def test_resume_from_a_saved_state_mid_epoch_is_exact(numbered: Path) -> None:
 
 
 def test_state_of_another_stream_is_refused(numbered: Path) -> None:
-    state = BatchStream(config(numbered), TOK).get_state()
+    state = BatchStream(stream_config(numbered), TOK).get_state()
     with pytest.raises(DataError, match="different corpus"):
-        BatchStream(config(numbered, seed=9), TOK).set_state(state)
+        BatchStream(stream_config(numbered, seed=9), TOK).set_state(state)
     with pytest.raises(DataError, match="different corpus"):
-        BatchStream(config(numbered), IdTokenizer(LINES + 1)).set_state(state)
+        BatchStream(stream_config(numbered), IdTokenizer(STREAM_LINES + 1)).set_state(state)
 
 
 def test_state_round_trips_through_an_orbax_checkpoint(numbered: Path, tmp_path: Path) -> None:
     import grain
     import orbax.checkpoint as ocp
 
-    stream = BatchStream(config(numbered), TOK)
+    stream = BatchStream(stream_config(numbered), TOK)
     take(stream, 7)
     handlers = {"data_iter": grain.checkpoint.CheckpointHandler()}
     with ocp.CheckpointManager(tmp_path / "ckpt", item_handlers=handlers) as manager:
         manager.save(7, args=ocp.args.Composite(data_iter=grain.checkpoint.CheckpointSave(stream.orbax_item)))
         manager.wait_until_finished()
     expected = take(stream, 4)
-    resumed = BatchStream(config(numbered), TOK)
+    resumed = BatchStream(stream_config(numbered), TOK)
     with ocp.CheckpointManager(tmp_path / "ckpt", item_handlers=handlers) as manager:
         manager.restore(7, args=ocp.args.Composite(data_iter=grain.checkpoint.CheckpointRestore(resumed.orbax_item)))
     for a, b in zip(expected, take(resumed, 4), strict=True):
@@ -141,7 +122,7 @@ def test_array_record_corpus(tmp_path: Path) -> None:
     writer.close()
     blocks = CorpusBlocks([tmp_path / "c.arrayrecord"], records_per_block=8)
     assert len(blocks) == 13 and [int(t) for b in range(13) for t in blocks[b]] == list(range(100))
-    seen = {n for b in take(BatchStream(config(tmp_path, records_per_block=8), TOK), 30) for n in lines_in(b)}
+    seen = {n for b in take(BatchStream(stream_config(tmp_path, records_per_block=8), TOK), 30) for n in lines_in(b)}
     assert seen == set(range(100))
 
 
@@ -151,7 +132,7 @@ def test_generated_corpus_streams_as_text_and_jsonl(tmp_path: Path) -> None:
         path = tmp_path / f"c.{fmt}"
         lines[fmt] = generate_corpus(path, 50_000, seed=3, fmt=fmt)
         assert path.stat().st_size >= 50_000 and lines[fmt] == len(path.read_text().splitlines())
-        batch = next(BatchStream(config(path, row_len=64, block_bytes=4096), ByteTokenizer()))
+        batch = next(BatchStream(stream_config(path, row_len=64, block_bytes=4096), ByteTokenizer()))
         text = ByteTokenizer().decode(batch["tokens"][0][batch["segment_ids"][0] == 0])
         assert text.endswith(" .") and "{" not in text
     assert generate_corpus(tmp_path / "again", 50_000, seed=3) == lines["text"]
@@ -195,19 +176,19 @@ def test_bad_corpus_files_fail_with_one_line(tmp_path: Path, content: str | byte
     path = tmp_path / "c"
     path.write_bytes(content if isinstance(content, bytes) else content.encode())
     with pytest.raises(DataError, match=message) as err:
-        stream = BatchStream(config(path, format=fmt, num_shards=1, batch_rows=2), TOK)
+        stream = BatchStream(stream_config(path, format=fmt, num_shards=1, batch_rows=2), TOK)
         next(stream)
     assert "\n" not in str(err.value) and str(path) in str(err.value)
 
 
 def test_bad_settings_fail_with_one_line(numbered: Path, tmp_path: Path) -> None:
     cases = [
-        (config(tmp_path / "missing.txt"), {}, "matches no file"),
-        (config(tmp_path / "*.nothing"), {}, "matches no file"),
-        (config(numbered, batch_rows=6), {}, "does not divide among 4 corpus shards"),
-        (config(numbered), {"process_count": 3}, "do not divide among 3 processes"),
-        (config(numbered, block_bytes=1 << 20), {}, "2 blocks for 4 shards"),
-        (config(numbered, format="csv"), {}, "unknown corpus format"),
+        (stream_config(tmp_path / "missing.txt"), {}, "matches no file"),
+        (stream_config(tmp_path / "*.nothing"), {}, "matches no file"),
+        (stream_config(numbered, batch_rows=6), {}, "does not divide among 4 corpus shards"),
+        (stream_config(numbered), {"process_count": 3}, "do not divide among 3 processes"),
+        (stream_config(numbered, block_bytes=1 << 20), {}, "2 blocks for 4 shards"),
+        (stream_config(numbered, format="csv"), {}, "unknown corpus format"),
     ]
     for cfg, kw, message in cases:
         with pytest.raises(DataError, match=message):
@@ -216,14 +197,14 @@ def test_bad_settings_fail_with_one_line(numbered: Path, tmp_path: Path) -> None
 
 @pytest.mark.slow
 def test_process_prefetch_resumes_exactly(numbered: Path) -> None:
-    stream = BatchStream(config(numbered), TOK, prefetch="process")
+    stream = BatchStream(stream_config(numbered), TOK, prefetch="process")
     take(stream, 9)
     state = stream.get_state()
     expected = take(stream, 10)
     stream.close()
-    resumed = BatchStream(config(numbered), TOK, prefetch="process")
+    resumed = BatchStream(stream_config(numbered), TOK, prefetch="process")
     resumed.set_state(state)
-    inline = take(BatchStream(config(numbered), TOK), 19)[9:]  # the worker changes where, not what
+    inline = take(BatchStream(stream_config(numbered), TOK), 19)[9:]  # the worker changes where, not what
     for a, b, c in zip(expected, take(resumed, 10), inline, strict=True):
         np.testing.assert_array_equal(a["tokens"], b["tokens"])
         np.testing.assert_array_equal(a["tokens"], c["tokens"])

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import stream_config, stream_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -17,12 +18,12 @@ CHILD = """
 import sys
 sys.path.insert(0, sys.argv[1])
 from pathlib import Path
-from test_stream import TOK, config
+from conftest import stream_config, stream_tokenizer
 from train.data.stream import BatchStream
 
 if __name__ == "__main__":
     corpus = Path(sys.argv[2])
-    stream = BatchStream(config(corpus, batch_rows=64, row_len=64), TOK, prefetch="process")
+    stream = BatchStream(stream_config(corpus, batch_rows=64, row_len=64), stream_tokenizer(), prefetch="process")
     last = [next(stream) for _ in range(5)][-1]  # a batch still referenced at exit, as the loop keeps one
     if sys.argv[3] == "close":
         stream.close()
@@ -46,13 +47,11 @@ def test_a_process_prefetch_stream_leaves_nothing_on_stderr_at_exit(tmp_path: Pa
 
 
 def test_a_closed_stream_refuses_to_read(tmp_path: Path) -> None:
-    from test_stream import TOK, config
-
     from train.data.stream import BatchStream
 
     corpus = tmp_path / "lines.txt"
     corpus.write_text("".join(f"{i}\n" for i in range(600)))
-    with BatchStream(config(corpus), TOK, prefetch="thread") as stream:
+    with BatchStream(stream_config(corpus), stream_tokenizer(), prefetch="thread") as stream:
         next(stream)
     with pytest.raises(RuntimeError, match="the stream was closed"):
         next(stream)
