@@ -60,18 +60,48 @@ def train(workdir: Path) -> subprocess.CompletedProcess:
 
 def damage(step_dir: Path, kind: str) -> None:
     """Damage checkpoint `step_dir` the way a full disk, a bad copy or a filesystem repair leaves it."""
-    arrays = [p for p in (step_dir / "params").rglob("*") if p.is_file() and p.parent.name == "d"]
-    largest = max(arrays, key=lambda p: p.stat().st_size)
     if kind == "truncate_array_file":
-        os.truncate(largest, 10)
+        os.truncate(array_file_it_reads(step_dir / "params"), 10)
     elif kind == "delete_array_file":
-        largest.unlink()
+        array_file_it_reads(step_dir / "params").unlink()
     elif kind == "bad_metadata_json":
         (step_dir / "params" / "_METADATA").write_text('{"tree_metadata": ')
     elif kind == "delete_item":
         shutil.rmtree(step_dir / "params")
     else:
         raise ValueError(kind)
+
+
+def array_file_it_reads(item_dir: Path) -> Path:
+    """The largest data file of an OCDBT checkpoint item (`<step>/params`, `<step>/train`) that reading the
+    item back needs. Most files under its `d/` folders are B-tree nodes that later writes of the same save
+    superseded: damaging one of those leaves the checkpoint whole, and which file is largest depends on
+    how the save's writes were batched, so the plain largest file is sometimes one nothing reads."""
+    files = sorted((p for p in item_dir.rglob("*") if p.is_file() and p.parent.name == "d"),
+                   key=lambda p: p.stat().st_size, reverse=True)
+    for path in files:
+        aside = path.with_name(path.name + ".aside")
+        path.rename(aside)
+        try:
+            needed = not _reads_back(item_dir)
+        finally:
+            aside.rename(path)
+        if needed:
+            return path
+    raise ValueError(f"no data file of {item_dir} is needed to read it back")
+
+
+def _reads_back(item_dir: Path) -> bool:
+    """Whether every key of the item's OCDBT store reads (a fresh TensorStore context: nothing cached)."""
+    import tensorstore as ts
+
+    kv = ts.KvStore.open({"driver": "ocdbt", "base": f"file://{item_dir.absolute()}/"}, context=ts.Context()).result()
+    try:
+        for key in kv.list().result():
+            kv.read(key).result()
+    except Exception:  # NOT_FOUND, OUT_OF_RANGE, DATA_LOSS: the bytes are gone
+        return False
+    return True
 
 
 def steps_logged(workdir: Path) -> list[int]:

@@ -17,6 +17,7 @@ import jax
 import numpy as np
 import pytest
 from conftest import updated_state
+from fault_stress import array_file_it_reads
 
 from train.checkpoints.repair import DAMAGE_NOTE, committed_steps, restore_newest_good
 from train.checkpoints.store import CHECKPOINT_DIR, Checkpoints, DamagedCheckpointError, check_compatible
@@ -31,8 +32,7 @@ def _config() -> Config:
 
 
 def _largest_file(step_dir: Path, item: str = "params") -> Path:
-    files = list((step_dir / item / "ocdbt.process_0" / "d").iterdir())  # process 0's array data
-    return max(files, key=lambda p: p.stat().st_size)
+    return array_file_it_reads(step_dir / item)
 
 
 @pytest.fixture(scope="module")
