@@ -10,9 +10,10 @@ import pytest
 from conftest import STREAM_LINES, lines_in, stream_config, stream_tokenizer
 
 from train.data.corpus import generate_corpus, parse_size
+from train.data.corpus_blocks import CorpusBlocks, corpus_files
 from train.data.datasets import DataError
 from train.data.masking import MaskingSpec
-from train.data.stream import BatchStream, CorpusBlocks, corpus_files, shard_range
+from train.data.stream import BatchStream, shard_range
 from train.data.tokenizer import ByteTokenizer, IdTokenizer
 
 TOK = stream_tokenizer()

@@ -103,7 +103,8 @@ class StreamBatches:
     """
 
     def __init__(self, corpus: Any, config: Config, share: tuple[int, int] = (0, 1)):
-        from train.data.stream import BatchStream, StreamConfig, corpus_files
+        from train.data.corpus_blocks import corpus_files
+        from train.data.stream import BatchStream, StreamConfig
 
         d, self.corpus = config.data, corpus
         self.process_index, self.process_count = share

