@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -55,3 +56,64 @@ def test_a_closed_stream_refuses_to_read(tmp_path: Path) -> None:
         next(stream)
     with pytest.raises(RuntimeError, match="the stream was closed"):
         next(stream)
+
+
+KILLED = """
+import sys, time
+sys.path.insert(0, sys.argv[1])
+from pathlib import Path
+from conftest import stream_config, stream_tokenizer
+from train.data.stream import BatchStream
+
+if __name__ == "__main__":
+    stream = BatchStream(stream_config(Path(sys.argv[2]), batch_rows=64, row_len=64), stream_tokenizer(),
+                         prefetch="process")
+    next(stream)
+    print("reading", flush=True)
+    time.sleep(600)  # killed with SIGKILL here, its worker process still running
+"""
+
+
+def _children(pid: int) -> list[int]:
+    """Live processes whose parent is `pid` (read from /proc; zombies count as gone)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if entry.name.isdigit() and int(fields[1]) == pid and fields[0] != "Z":
+            found.append(int(entry.name))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/stat").is_file(), reason="reads processes from Linux's /proc")
+def test_the_worker_process_ends_when_its_training_process_is_killed(tmp_path: Path) -> None:
+    """kill -9 (a preemption, an OOM kill) gives the stream no chance to stop its worker: the worker must
+    notice it lost its parent and exit, not wait forever as a child of init, holding its memory."""
+    corpus = tmp_path / "lines.txt"
+    corpus.write_text("".join(f"{i}\n" for i in range(600)))
+    script = tmp_path / "killed.py"
+    script.write_text(KILLED)
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, str(script), str(ROOT / "tests"), str(corpus)], env=env, cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == "reading\n"
+        workers = [p for child in _children(proc.pid) for p in [child, *_children(child)]]
+        assert workers, "no worker process was started"
+    finally:
+        proc.kill()
+        proc.wait()
+    deadline = time.monotonic() + 30
+    while any(map(_alive, workers)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not [p for p in workers if _alive(p)], "the worker outlived its killed parent"

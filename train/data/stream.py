@@ -32,6 +32,9 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
+import os
+import threading
+import time
 import weakref
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
@@ -167,7 +170,8 @@ class BatchStream(Iterator[Batch]):
         elif prefetch == "process":
             if not absl_flags.FLAGS.is_parsed():  # Grain's worker reads absl flags; the trainer uses none
                 absl_flags.FLAGS.mark_as_parsed()
-            ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=1, per_worker_buffer_size=buffer))
+            ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=1, per_worker_buffer_size=buffer),
+                                worker_init_fn=_exit_with_parent)
         elif prefetch is not None:
             raise DataError(f"unknown prefetch '{prefetch}': use none, thread or process")
         # The iterator lives in a holder the finalizer empties, so that no reference outlives the release.
@@ -256,6 +260,20 @@ class BatchStream(Iterator[Batch]):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _exit_with_parent(worker_index: int, worker_count: int) -> None:
+    """Runs in Grain's worker process as it starts: end it once the process that started it is gone. A
+    training process killed with SIGKILL (a preemption, an OOM kill) cannot stop its worker, which would
+    otherwise wait forever, holding its memory, as a child of init."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
 
 
 def _release_iterator(holder: list[Any]) -> None:
