@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -23,6 +24,8 @@ from typing import Any
 
 import jax
 import numpy as np
+
+from train.errors import ConfigError, DataError
 
 COARSE = [16, 32, 64]
 
@@ -86,8 +89,14 @@ def main(argv: list[str] | None = None) -> int:
                         "interpolated linearly between them): fewer compiles on a slow machine")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
-    trained = _plan(args.config, ["optim.freeze=[]", *args.overrides])
-    frozen = _plan(args.config, ["optim.freeze=[embedding]", *args.overrides])
+    if args.repeats < 1 or any(n < 1 for n in args.lengths or []):
+        parser.error("--repeats and --lengths take positive counts")
+    try:
+        trained = _plan(args.config, ["optim.freeze=[]", *args.overrides])
+        frozen = _plan(args.config, ["optim.freeze=[embedding]", *args.overrides])
+    except (ConfigError, DataError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     fine = list(trained.config.data.buckets)
     lengths = sorted(set(fine) | set(COARSE))
     timed = sorted(args.lengths) if args.lengths else lengths

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -31,26 +32,33 @@ CONFIG = ROOT / "configs/sentiment_pretrained.yaml"
 
 def _batches(split: Any, order: np.ndarray, size: int, pad_id: int) -> list[tuple[np.ndarray, ...]]:
     """[N, L] ids, [N, L] mask, [N] labels per batch, L the batch's longest row."""
+    from train.data.labelled import pad_rows
+
     out = []
     for start in range(0, len(order), size):
         rows = [split.tokens[i] for i in order[start:start + size]]
-        length = max(len(r) for r in rows)
-        ids = np.full((len(rows), length), pad_id, np.int64)
-        mask = np.zeros((len(rows), length), np.int64)
-        for i, r in enumerate(rows):
-            ids[i, :len(r)], mask[i, :len(r)] = r, 1
-        out.append((ids, mask, split.labels[order[start:start + size]].astype(np.int64)))
+        ids, valid = pad_rows(rows, max(len(r) for r in rows), pad_id)
+        labels = split.labels[order[start:start + size]]
+        out.append((ids.astype(np.int64), valid.astype(np.int64), labels.astype(np.int64)))
     return out
 
 
+def _count(text: str) -> int:
+    """A positive integer argument (argparse prints the one-line usage error otherwise)."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is too small: pass a positive count")
+    return value
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--epochs", type=int, default=2)
+    parser = argparse.ArgumentParser(prog="python -m bench.finetune_peer", description=__doc__.splitlines()[0])
+    parser.add_argument("--epochs", type=_count, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--lr", type=float, default=5e-5)
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--max-steps", type=int, default=None, help="end each epoch after this many steps (smoke test)")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own choice)")
+    parser.add_argument("--batch-size", type=_count, default=32)
+    parser.add_argument("--max-steps", type=_count, default=None, help="end each epoch after N steps (smoke test)")
+    parser.add_argument("--threads", type=_count, default=None, help="torch threads (default: torch's own choice)")
     args = parser.parse_args(argv)
 
     import torch
@@ -58,15 +66,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     from train.config import load_config
     from train.data.labelled import load_dataset
+    from train.errors import ConfigError, DataError
     from train.init_from.hf import hf_source
 
     start = time.perf_counter()
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
-    cfg = load_config(CONFIG, [])
-    source = hf_source(cfg.model.init_from)
-    data = load_dataset(cfg.data, tokenizer=source.tokenizer)
+    try:  # the packaged checkpoint and the data set are fetched on first use: offline is one line, exit 2
+        cfg = load_config(CONFIG, [])
+        source = hf_source(cfg.model.init_from)
+        data = load_dataset(cfg.data, tokenizer=source.tokenizer)
+    except (ConfigError, DataError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
     pad_id = source.tokenizer.pad_id
     model = BertForSequenceClassification.from_pretrained(source.record["path"], num_labels=len(data.label_names))
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2]

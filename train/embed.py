@@ -33,7 +33,7 @@ from jaxblock.config import EncoderConfig
 from jaxblock.model import Encoder
 from train.config import ConfigError
 from train.data.datasets import DataError
-from train.data.labelled import _pad, bucket_length
+from train.data.labelled import bucket_length, pad_rows
 from train.data.tokenizer import PretrainedTokenizer, truncate
 
 # sentence-transformers' Pooling config keys, in the order its concatenation uses.
@@ -179,7 +179,7 @@ class Embedder:
         for start in range(0, len(rows), batch_size):
             take = order[start:start + batch_size]
             batch = [rows[i] for i in take] + [np.zeros(1, np.int32)] * (batch_size - len(take))
-            tokens, valid = _pad(batch, bucket_length(max(len(r) for r in batch), self.buckets),
+            tokens, valid = pad_rows(batch, bucket_length(max(len(r) for r in batch), self.buckets),
                                  self.tokenizer.pad_id)
             vectors = np.asarray(self._forward(self.params, tokens, valid))[: len(take)]
             if out is None:

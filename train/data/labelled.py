@@ -170,7 +170,7 @@ def bucket_length(longest: int, buckets: Sequence[int]) -> int:
     return int(buckets[i])
 
 
-def _pad(rows: Sequence[np.ndarray], length: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+def pad_rows(rows: Sequence[np.ndarray], length: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
     tokens = np.full((len(rows), length), pad_id, np.int32)  # [N, L]
     lengths = np.asarray([len(r) for r in rows], np.int64)
     for i, row in enumerate(rows):
@@ -243,7 +243,7 @@ def train_batch(
                              batch_size=batch_size, multiple=process_count, pad_id=split.pad_id)
         return _share(batch, process_index, process_count)
     length = bucket_length(max(len(r) for r in rows), buckets)
-    tokens, valid = _pad(rows, length, split.pad_id)
+    tokens, valid = pad_rows(rows, length, split.pad_id)
     batch = {"tokens": tokens, "valid_tokens": valid, "labels": split.labels[idx].astype(np.int32)}
     return _share(batch, process_index, process_count)
 
@@ -261,7 +261,7 @@ def eval_batches(
         missing = batch_size - len(rows)
         rows = rows + [np.zeros(0, np.int32)] * missing
         length = bucket_length(max(len(r) for r in rows), buckets)
-        tokens, valid = _pad(rows, length, split.pad_id)
+        tokens, valid = pad_rows(rows, length, split.pad_id)
         labels = np.concatenate([labels, np.full(missing, -1, np.int32)]).astype(np.int32)
         yield _share({"tokens": tokens, "valid_tokens": valid, "labels": labels}, process_index, process_count)
 
@@ -274,7 +274,7 @@ def encode_texts(tokenizer: Tokenizer, texts: list[str], max_len: int, buckets: 
     empty = [i for i, r in enumerate(rows) if len(r) == 0]
     if empty:
         raise DataError(f"text {empty[0] + 1} is empty: pass non-empty text")
-    tokens, valid = _pad(rows, bucket_length(max(len(r) for r in rows), buckets), tokenizer.pad_id)
+    tokens, valid = pad_rows(rows, bucket_length(max(len(r) for r in rows), buckets), tokenizer.pad_id)
     return {"tokens": tokens, "valid_tokens": valid, "labels": np.full(len(texts), -1, np.int32)}
 
 
