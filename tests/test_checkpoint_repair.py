@@ -31,10 +31,6 @@ def _config() -> Config:
     return cfg.model_copy(update={"model": cfg.model.model_copy(update={"vocab_size": 16, "num_classes": 2})})
 
 
-def _largest_file(step_dir: Path, item: str = "params") -> Path:
-    return array_file_it_reads(step_dir / item)
-
-
 @pytest.fixture(scope="module")
 def states(tmp_path_factory):
     """Three TrainStates of distinct parameters (seed = step) and a workdir holding them as checkpoints
@@ -68,7 +64,7 @@ def _same(a, b) -> bool:
 def test_truncated_array_file_is_named_moved_aside_and_the_previous_step_restored(saved, tmp_path, capfd):
     _, ckpts, states = saved
     before = {s: sorted(p.relative_to(tmp_path) for p in (ckpts.directory / str(s)).rglob("*")) for s in (10, 20)}
-    damaged_file = _largest_file(ckpts.directory / "30")
+    damaged_file = array_file_it_reads(ckpts.directory / "30" / "params")
     os.truncate(damaged_file, 20)  # what a full disk or a dying node leaves
     capfd.readouterr()
 
@@ -103,13 +99,13 @@ def test_other_damage_is_named_too(saved, damage):
     cfg, ckpts, states = saved
     step_dir = ckpts.directory / "30"
     if damage == "delete_array_file":
-        _largest_file(step_dir).unlink()
+        array_file_it_reads(step_dir / "params").unlink()
     elif damage == "delete_item":
         shutil.rmtree(step_dir / "params")
     elif damage == "truncate_metadata":
         os.truncate(step_dir / "params" / "_METADATA", 5)
     else:
-        os.truncate(_largest_file(step_dir, "train"), 7)
+        os.truncate(array_file_it_reads(step_dir / "train"), 7)
 
     fresh = Checkpoints(ckpts.directory.parent, cfg.checkpoint)  # as a rerun opens it
 
@@ -128,7 +124,7 @@ def test_other_damage_is_named_too(saved, damage):
 def test_every_step_damaged_moves_nothing_and_says_so(saved):
     _, ckpts, states = saved
     for s in (10, 20, 30):
-        os.truncate(_largest_file(ckpts.directory / str(s)), 3)
+        os.truncate(array_file_it_reads(ckpts.directory / str(s) / "params"), 3)
     with pytest.raises(DamagedCheckpointError) as err:
         restore_newest_good(ckpts.directory, lambda s: ckpts.restore(s, states[30]))
     message = str(err.value)
@@ -220,7 +216,7 @@ def test_a_failed_restore_leaves_no_task_behind_its_closed_event_loop(saved, mon
     _, ckpts, states = saved
     step_dir = ckpts.directory / "30"
     if damage == "truncate_array_file":
-        os.truncate(_largest_file(step_dir), 20)
+        os.truncate(array_file_it_reads(step_dir / "params"), 20)
     else:
         os.truncate(step_dir / "params" / "_METADATA", 5)
     left: list[asyncio.Task] = []
