@@ -33,16 +33,21 @@ if __name__ == "__main__":
 """
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("how", ["close", "exit"])
-def test_a_process_prefetch_stream_leaves_nothing_on_stderr_at_exit(tmp_path: Path, how: str) -> None:
+def _child(tmp_path: Path, source: str) -> tuple[list[str], dict[str, str]]:
+    """The command that runs `source` as a script on a 600-line corpus (argv: tests dir, corpus), and its env."""
     corpus = tmp_path / "lines.txt"
     corpus.write_text("".join(f"{i}\n" for i in range(600)))
     script = tmp_path / "child.py"
-    script.write_text(CHILD)
+    script.write_text(source)
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
-    done = subprocess.run([sys.executable, str(script), str(ROOT / "tests"), str(corpus), how], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
+    return [sys.executable, str(script), str(ROOT / "tests"), str(corpus)], env
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["close", "exit"])
+def test_a_process_prefetch_stream_leaves_nothing_on_stderr_at_exit(tmp_path: Path, how: str) -> None:
+    command, env = _child(tmp_path, CHILD)
+    done = subprocess.run([*command, how], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and done.stdout == "done\n", done.stderr
     assert done.stderr == ""  # the whole stderr, to the end of the process
 
@@ -99,13 +104,8 @@ def _alive(pid: int) -> bool:
 def test_the_worker_process_ends_when_its_training_process_is_killed(tmp_path: Path) -> None:
     """kill -9 (a preemption, an OOM kill) gives the stream no chance to stop its worker: the worker must
     notice it lost its parent and exit, not wait forever as a child of init, holding its memory."""
-    corpus = tmp_path / "lines.txt"
-    corpus.write_text("".join(f"{i}\n" for i in range(600)))
-    script = tmp_path / "killed.py"
-    script.write_text(KILLED)
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen([sys.executable, str(script), str(ROOT / "tests"), str(corpus)], env=env, cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    command, env = _child(tmp_path, KILLED)
+    proc = subprocess.Popen(command, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         assert proc.stdout is not None and proc.stdout.readline() == "reading\n"
         workers = [p for child in _children(proc.pid) for p in [child, *_children(child)]]
