@@ -1,8 +1,8 @@
 """What each option buys, measured against the default configuration in the same interleaved run.
 
 options  the training step at the first benchmark shape (Pre-LN) with one option changed at a time:
-         fused QKV off, attention kernel (unfused, chunked), scan over layers, remat (full, dots),
-         bf16 compute (float32 params; float32 softmax and norm statistics), no buffer donation,
+         fused QKV off, attention kernel (XLA's, unfused, chunked; a CPU's default is dense), scan over layers,
+         remat (full, dots), bf16 compute (float32 params; float32 softmax and norm statistics), no buffer donation,
          and the block without `settle_gradient` (jaxblock/cpu_residual_gradient.py: the residual gradient stored once
          per residual point instead of re-derived by each consumer fusion; swapped for an identity here),
          and the XLA CPU compiler options of XLA_CANDIDATES (each on top of the run's own set, one at a
@@ -52,6 +52,7 @@ def options(ctx: Context) -> list[Record]:
     variants: dict[str, tuple[dict[str, Any], bool]] = {
         "default": ({}, True),
         "fused_qkv off": ({"fused_qkv": False}, True),
+        "attention xla": ({"attention": "xla"}, True),
         "attention unfused": ({"attention": "unfused"}, True),
         "attention chunked": ({"attention": "chunked", "attn_chunk_size": max(shape.length // 2, 1)}, True),
         "scan": ({"scan": True}, True),

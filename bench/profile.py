@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shape", type=int, default=1, choices=range(len(CPU_SHAPES)), help="benchmark shape index")
     p.add_argument("--length", type=int, default=None, help="override L")
     p.add_argument("--batch", type=int, default=None, help="override N")
-    p.add_argument("--attention", default="auto", choices=("auto", "xla", "unfused", "chunked"))
+    p.add_argument("--attention", default="auto", choices=("auto", "xla", "unfused", "chunked", "dense"))
     p.add_argument("--remat", default="none", choices=("none", "full", "dots"))
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--scan", action="store_true", help="scan over layers")

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 
 from jaxblock import masks
 from jaxblock.config import BlockConfig
+from jaxblock.dense_attention import dense_attention
 from jaxblock.initializers import Weights, bias_init, kernel_init
 from jaxblock.positions import apply_rope, rope_frequencies
 
@@ -56,15 +57,19 @@ def choose_implementation(
                 return "xla", f"cuDNN requested but {why}; XLA ran"
         return config.attention, f"attention='{config.attention}' requested"
     if dropout_on:
+        if backend == "cpu":
+            return "dense", "attention-weight dropout is active in training; on a CPU the dense kernel applies it"
         return "unfused", "attention-weight dropout is active in training (fused kernels have none)"
     why = _cudnn_blocker(config, backend, extra_mask)
     if why is None:
         return "cudnn", "NVIDIA GPU, half precision, padding/causal mask only"
-    if backend == "cpu" and length is not None and length >= 4 * config.attn_chunk_size:
-        return "chunked", (
-            f"{why}; L={length} >= 4 key blocks of {config.attn_chunk_size}: chunked attention, "
-            "memory linear in L, no [L, L] scores"
-        )
+    if backend == "cpu":
+        if length is not None and length >= 4 * config.attn_chunk_size:
+            return "chunked", (
+                f"{why}; L={length} >= 4 key blocks of {config.attn_chunk_size}: chunked attention, "
+                "memory linear in L, no [L, L] scores"
+            )
+        return "dense", f"{why}; on a CPU the dense kernel (hand-written backward) beats XLA's"
     return "xla", why
 
 
@@ -113,7 +118,7 @@ class SelfAttention(nn.Module):
             (h, k, d), kernel_init(cfg.init, d, (0, 1), 2, ("heads", "head_dim", "embed")),
             (d,), bias_init(cfg.init, d, ("embed",), zero=True), cfg.has_out_bias,
         )
-        self.weights_dropout = nn.Dropout(cfg.attn_dropout)
+        self.weights_dropout = _WeightsDropout(cfg.attn_dropout)
 
     def __call__(
         self,
@@ -162,6 +167,12 @@ class SelfAttention(nn.Module):
             )  # [N, 1, L, L]
             if impl == "unfused":
                 ctx = self._unfused(q, k, v, mask, train)
+            elif impl == "dense":
+                keep = None
+                if train and cfg.attn_dropout > 0:
+                    keep = self.weights_dropout.keep((n, cfg.kv_heads, cfg.num_heads // cfg.kv_heads, length, length))
+                seen = _seen(mask, valid_tokens, causal=cfg.causal, plain=not extra)
+                ctx = dense_attention(q, k, v, mask, seen, keep, cfg.attn_dropout)
             else:
                 ctx = self._fused(q, k, v, mask, valid_tokens, impl, plain=not extra)
         # ctx: [N, L, H, K]
@@ -218,14 +229,28 @@ class SelfAttention(nn.Module):
         else:
             ctx = jax.nn.dot_product_attention(q, k, v, mask=mask, implementation="xla")
         # A query that sees no key gets exactly 0 (the fused softmax would average all keys).
-        # With padding (and causal) only, that is O(N L) from valid_tokens, not a reduction of the [L, L] mask.
-        if not plain:
-            seen = jnp.any(mask, axis=-1)[:, 0]  # [N, L]
-        elif cfg.causal:  # query i sees a key iff some key j <= i is real
-            seen = jax.lax.cummax(valid_tokens.astype(jnp.int32), axis=1) > 0
-        else:
-            seen = jnp.broadcast_to(jnp.any(valid_tokens, axis=-1, keepdims=True), valid_tokens.shape)
+        seen = _seen(mask, valid_tokens, causal=cfg.causal, plain=plain)
         return jnp.where(seen[:, :, None, None], ctx, jnp.zeros((), ctx.dtype))
+
+
+def _seen(mask: jax.Array, valid_tokens: jax.Array, *, causal: bool, plain: bool) -> jax.Array:
+    """bool[N, L]: the query sees at least one key. With padding (and causal) only, that is O(N L) from
+    valid_tokens, not a reduction of the [N, 1, L, L] mask."""
+    if not plain:
+        return jnp.any(mask, axis=-1)[:, 0]
+    if causal:  # query i sees a key iff some key j <= i is real
+        return jax.lax.cummax(valid_tokens.astype(jnp.int32), axis=1) > 0
+    return jnp.broadcast_to(jnp.any(valid_tokens, axis=-1, keepdims=True), valid_tokens.shape)
+
+
+class _WeightsDropout(nn.Dropout):
+    """nn.Dropout that can also hand out its keep mask, for kernels that apply dropout inside themselves.
+
+    `keep` draws from the same rng stream, with the same shape, as calling the module on the weights
+    would, so the dense kernel drops exactly the weights the unfused path drops."""
+
+    def keep(self, shape: tuple[int, ...]) -> jax.Array:
+        return jax.random.bernoulli(self.make_rng(self.rng_collection), 1.0 - self.rate, shape)
 
 
 def chunked_attention(

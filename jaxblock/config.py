@@ -75,10 +75,11 @@ class BlockConfig(_Frozen):
     rope: bool = Field(False, description="Rotary positions on q/k (set by EncoderConfig.positions='rope').")
     rope_base: float = Field(10000.0, gt=1.0)
     rope_scaling: RopeScaling | None = Field(None, description="None: unscaled rotary frequencies.")
-    attention: Literal["auto", "xla", "cudnn", "unfused", "chunked"] = Field(
+    attention: Literal["auto", "xla", "cudnn", "unfused", "chunked", "dense"] = Field(
         "auto",
-        description="Kernel: 'auto' picks cuDNN on NVIDIA GPUs when mask and dtype allow, XLA otherwise, "
-        "and the unfused path whenever attention-weight dropout is active.",
+        description="Kernel: 'auto' picks cuDNN on NVIDIA GPUs when mask and dtype allow; on a CPU the dense "
+        "kernel (hand-written backward, dropout included), or chunked from 4 key blocks on; XLA otherwise, "
+        "and the unfused path whenever attention-weight dropout is active off the CPU.",
     )
     attn_chunk_size: int = Field(
         512, gt=0, description="Key-block size of the 'chunked' memory-efficient attention."

@@ -14,7 +14,7 @@ import pytest
 from jaxblock import BlockConfig, SelfAttention, choose_implementation, unbox
 from jaxblock.positions import apply_rope
 
-IMPLS = ("xla", "unfused", "chunked")
+IMPLS = ("xla", "unfused", "chunked", "dense")
 N, L, D = 2, 5, 8
 VALID = np.array([[True, True, True, False, False], [True] * L])
 
@@ -155,7 +155,7 @@ def test_fully_masked_row_gives_the_out_bias_and_every_path_has_the_same_finite_
         # Row 0's inputs cannot influence its output (the bias alone), so their gradient is exactly zero.
         np.testing.assert_array_equal(gx[0], np.zeros((L, D)), impl)
         assert np.abs(gx[1]).max() > 0.0
-    for impl in ("unfused", "chunked"):  # every path's backward pass agrees with XLA's
+    for impl in ("unfused", "chunked", "dense"):  # every path's backward pass agrees with XLA's
         for a, b in zip(jax.tree.leaves(grads[impl]), jax.tree.leaves(grads["xla"]), strict=True):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, err_msg=impl)
 
@@ -189,7 +189,7 @@ def test_unfused_records_attention_weights():
 
 
 def test_attention_dropout_runs_unfused_differs_by_key_and_is_off_in_eval():
-    cfg = _cfg(attn_dropout=0.5)
+    cfg = _cfg(attn_dropout=0.5, attention="unfused")
     assert choose_implementation(cfg, train=True)[0] == "unfused"
     params = {"params": _params(cfg)}
     mod, x, valid = SelfAttention(cfg), _x(), jnp.asarray(VALID)
@@ -239,10 +239,11 @@ def test_torch_init_distributions():
 
 def test_choose_implementation_states_its_reason():
     cfg = _cfg()
-    assert choose_implementation(cfg, train=False, backend="cpu") == ("xla", "backend is cpu, not an NVIDIA GPU")
+    impl, why = choose_implementation(cfg, train=False, backend="cpu")
+    assert impl == "dense" and why.startswith("backend is cpu, not an NVIDIA GPU") and "dense kernel" in why
     # Long L on a CPU: chunked from 4 key blocks on (measured faster there, memory linear in L).
     long = _cfg(attn_chunk_size=16)
-    assert choose_implementation(long, train=False, backend="cpu", length=63)[0] == "xla"
+    assert choose_implementation(long, train=False, backend="cpu", length=63)[0] == "dense"
     impl, why = choose_implementation(long, train=False, backend="cpu", length=64)
     assert impl == "chunked" and "L=64" in why
     bf16 = _cfg(dtype="bfloat16", num_heads=1)  # head width 8: what cuDNN's kernel accepts
@@ -253,7 +254,13 @@ def test_choose_implementation_states_its_reason():
     assert impl == "xla" and "float32" in why
     impl, why = choose_implementation(bf16.model_copy(update={"num_heads": 4}), train=False, backend="gpu")
     assert impl == "xla" and "head width 2" in why
-    assert choose_implementation(_cfg(attn_dropout=0.1), train=False, backend="cpu")[0] == "xla"
+    assert choose_implementation(_cfg(attn_dropout=0.1), train=False, backend="cpu")[0] == "dense"
+    impl, why = choose_implementation(_cfg(attn_dropout=0.1), train=True, backend="cpu")
+    assert impl == "dense" and "dropout" in why  # the dense kernel applies dropout itself
+    impl, why = choose_implementation(_cfg(attn_dropout=0.1), train=True, backend="gpu")
+    assert impl == "unfused" and "dropout" in why
+    assert choose_implementation(_cfg(attention="dense", attn_dropout=0.1), train=True, backend="gpu")[0] == "dense"
+    assert choose_implementation(_cfg(attention="xla", attn_dropout=0.1), train=True, backend="cpu")[0] == "unfused"
     impl, why = choose_implementation(_cfg(attention="chunked", attn_dropout=0.1), train=True)
     assert impl == "unfused" and "dropout" in why
     assert choose_implementation(_cfg(attention="chunked", attn_dropout=0.1), train=False)[0] == "chunked"
@@ -271,3 +278,30 @@ def test_bad_masks_are_clear_errors_at_trace_time():
         jax.jit(mod.apply)(params, x, jnp.ones((N, L - 1), bool))
     with pytest.raises(TypeError, match="attn_mask must be bool"):
         mod.apply(params, x, jnp.ones((N, L), bool), attn_mask=jnp.zeros((L, L)))
+
+
+def test_the_dense_kernel_drops_exactly_the_weights_the_unfused_path_drops():
+    # Same rng stream and mask shape: outputs and every gradient agree, with GQA, causal and a row with no key.
+    cfg = _cfg(attn_dropout=0.3, num_heads=4, num_kv_heads=2, causal=True)
+    params = _params(cfg)
+    x = _x()
+    valid = jnp.asarray(VALID).at[0].set(False)
+    weights = jnp.asarray(np.random.default_rng(5).normal(size=(N, L, D)), jnp.float32)
+    outs, grads = {}, {}
+    for impl in ("unfused", "dense"):
+        mod = SelfAttention(cfg.model_copy(update={"attention": impl}))
+        rngs = {"dropout": jax.random.key(7)}
+
+        def loss(p, xx, mod=mod, rngs=rngs):
+            return jnp.sum(mod.apply({"params": p}, xx, valid, train=True, rngs=rngs) * weights)
+
+        outs[impl] = np.asarray(mod.apply({"params": params}, x, valid, train=True, rngs=rngs))
+        grads[impl] = jax.jit(jax.grad(loss, argnums=(0, 1)))(params, x)
+    np.testing.assert_allclose(outs["dense"], outs["unfused"], atol=1e-5)
+    np.testing.assert_array_equal(outs["dense"][0], np.broadcast_to(np.asarray(params["out"]["bias"]), (L, D)))
+    for a, b in zip(jax.tree.leaves(grads["dense"]), jax.tree.leaves(grads["unfused"]), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
+    # and dropout did act: the eval output differs
+    dense = SelfAttention(cfg.model_copy(update={"attention": "dense"}))
+    eval_out = np.asarray(dense.apply({"params": params}, x, valid))
+    assert np.abs(eval_out - outs["dense"]).max() > 1e-3

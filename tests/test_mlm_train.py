@@ -100,7 +100,7 @@ def test_sums_count_chosen_real_tokens_only_and_match_full_logits() -> None:
 
 
 @pytest.mark.slow  # three compiles; the task sums test stays in the default suite
-@pytest.mark.parametrize("kernel", ["xla", "unfused", "chunked"])
+@pytest.mark.parametrize("kernel", ["xla", "unfused", "chunked", "dense"])
 def test_every_attention_kernel_gives_the_same_mlm_loss(kernel: str) -> None:
     np.testing.assert_allclose(run_steps(SINGLE, 2, attention=kernel),
                                run_steps(SINGLE, 2, attention="unfused"), atol=1e-5, rtol=0)

@@ -23,7 +23,7 @@ TOKENS = jnp.asarray(np.random.default_rng(0).integers(1, V, (N, L)), jnp.int32)
 X = jnp.asarray(np.random.default_rng(1).normal(size=(N, L, D)), jnp.float32)
 # Packed: row 0 holds two examples (3 + 2 tokens) then 3 padded, row 1 two examples (5 + 3).
 SEGMENTS = jnp.asarray([[0, 0, 0, 1, 1, 0, 0, 0], [0, 0, 0, 0, 0, 1, 1, 1]], jnp.int32)
-IMPLS = ("xla", "unfused", "chunked")
+IMPLS = ("xla", "unfused", "chunked", "dense")
 # Non-finite values only: finite padding is computed as PyTorch's slow path computes it (and must stay
 # visible, or the padding-invariance diagnostic could not see a missing key mask), so a finite value large
 # enough to overflow inside the block (e.g. 3e38) is the caller's to avoid.
@@ -91,7 +91,7 @@ def _slow_unless(*default):
     return mark
 
 
-_block_case = _slow_unless(("xla", "pre"))
+_block_case = _slow_unless(("xla", "pre"), ("dense", "post"))
 
 
 @pytest.mark.parametrize(("impl", "norm"), [_block_case(i, n) for i in IMPLS for n in ("pre", "post")])
