@@ -5,6 +5,8 @@ options  the training step at the first benchmark shape (Pre-LN) with one option
          remat (full, dots), bf16 compute (float32 params; float32 softmax and norm statistics), no buffer donation,
          and the block without `settle_gradient` (jaxblock/cpu_residual_gradient.py: the residual gradient stored once
          per residual point instead of re-derived by each consumer fusion; swapped for an identity here),
+         the projections without `cpu_weight_gradient` (jaxblock/cpu_weight_gradient.py: each weight gradient
+         transposes the smaller of its two operands; here XLA chooses),
          and the XLA CPU compiler options of XLA_CANDIDATES (each on top of the run's own set, one at a
          time; those the installed jaxlib does not know are left out): how to choose a new CPU kind's row
          of jaxblock/xla_options.py OPTIONS.
@@ -32,7 +34,7 @@ from bench.context import Context
 from bench.measure import Record, compiled_memory, peak_rss, time_interleaved
 from bench.workloads import OursTrain, init_params, make_inputs, stack_config
 from jaxblock import cpu_residual_gradient as settle_gradient
-from jaxblock import xla_options
+from jaxblock import cpu_weight_gradient, xla_options
 
 ROOT = Path(__file__).resolve().parent.parent
 _TYPES = "LIBRARY_FUSION_TYPE_"
@@ -62,6 +64,7 @@ def options(ctx: Context) -> list[Record]:
         f"{other_dtype} compute": ({"dtype": other_dtype}, True),
         "no donation": ({}, False),
         "no settle_gradient": ({"settle": False}, True),
+        "XLA's weight-gradient layout": ({"weight_gradient": False}, True),
     }
     x, valid = make_inputs(shape)
     params = init_params(stack_config(shape), shape)
@@ -70,12 +73,13 @@ def options(ctx: Context) -> list[Record]:
     for name, (opts, donate) in variants.items():
         opts = {"dtype": ctx.dtype, **opts}
         scan, remat, settle = opts.pop("scan", False), opts.pop("remat", "none"), opts.pop("settle", True)
+        weight_gradient = opts.pop("weight_gradient", True)
         cfg = stack_config(shape, scan=scan, remat=remat, **opts)
         ctx.log(f"options {name}: compiling")
-        with settle_gradient.forced(settle):
+        with settle_gradient.forced(settle), cpu_weight_gradient.forced(weight_gradient):
             steps[name] = OursTrain(cfg, params, x, valid, donate=donate)
         configs[name] = {**shape.as_dict(), "scan": scan, "remat": remat, "donate": donate,
-                         "settle_gradient": settle, **opts}
+                         "settle_gradient": settle, "cpu_weight_gradient": weight_gradient, **opts}
     for name, compiler_options in XLA_CANDIDATES.items():
         spelled = {k: _FLAG_SPELLING.get(k, {}).get(v, v) for k, v in compiler_options.items()}
         if not all(xla_options.known(spelled).values()):

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 
 from jaxblock import masks
 from jaxblock.config import BlockConfig
+from jaxblock.cpu_weight_gradient import project
 from jaxblock.dense_attention import dense_attention
 from jaxblock.initializers import Weights, bias_init, kernel_init
 from jaxblock.positions import apply_rope, rope_frequencies
@@ -177,7 +178,7 @@ class SelfAttention(nn.Module):
                 ctx = self._fused(q, k, v, mask, valid_tokens, impl, plain=not extra)
         # ctx: [N, L, H, K]
         out_k, out_b = self.out()
-        y = jnp.einsum("NLHK,HKD->NLD", ctx.astype(dt), out_k.astype(dt))
+        y = project(ctx.astype(dt), out_k.astype(dt), 2)  # "NLHK,HKD->NLD" (jaxblock/cpu_weight_gradient.py)
         if out_b is not None:
             y = y + out_b.astype(dt)[None, None, :]
         return y
@@ -189,13 +190,13 @@ class SelfAttention(nn.Module):
         h, g = cfg.num_heads, cfg.kv_heads
         if cfg.fused_qkv and g == h:
             w = jnp.concatenate([qk, kk, vk], axis=1).astype(dt)  # [D, 3H, K]
-            qkv = jnp.einsum("NLD,DHK->NLHK", x, w)  # [N, L, 3H, K]
+            qkv = project(x, w, 1)  # "NLD,DHK->NLHK": [N, L, 3H, K]
             if qb is not None and kb is not None and vb is not None:
                 qkv = qkv + jnp.concatenate([qb, kb, vb], axis=0).astype(dt)[None, None]
             return qkv[:, :, :h], qkv[:, :, h : 2 * h], qkv[:, :, 2 * h :]
         outs: list[jax.Array] = []
         for kern, b in ((qk, qb), (kk, kb), (vk, vb)):
-            y = jnp.einsum("NLD,DHK->NLHK", x, kern.astype(dt))
+            y = project(x, kern.astype(dt), 1)
             outs.append(y if b is None else y + b.astype(dt)[None, None])
         return outs[0], outs[1], outs[2]
 

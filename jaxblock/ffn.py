@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxblock.config import BlockConfig
+from jaxblock.cpu_weight_gradient import project
 from jaxblock.initializers import Weights, bias_init, kernel_init
 
 _SQRT_HALF = 0.7071067811865476
@@ -80,5 +81,5 @@ class FeedForward(nn.Module):
 
 
 def _dense(x: jax.Array, kernel: jax.Array, bias: jax.Array | None, dt: jnp.dtype) -> jax.Array:
-    y = jnp.einsum("NLI,IO->NLO", x, kernel.astype(dt))
+    y = project(x, kernel.astype(dt), 1)  # the einsum "NLI,IO->NLO"; see jaxblock/cpu_weight_gradient.py
     return y if bias is None else y + bias.astype(dt)[None, None, :]

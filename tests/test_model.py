@@ -358,3 +358,38 @@ def test_the_stack_settles_each_residual_stream_point_on_cpu_only_and_changes_no
         assert counts[True] == 2 * cfg.num_layers
     jax.tree.map(np.testing.assert_array_equal, results[True], results[False])
     assert settle.applies() == (jax.default_backend() == "cpu")
+
+
+# --- the CPU weight-gradient workaround (jaxblock.cpu_weight_gradient) computes the same gradients ----------------
+
+
+@pytest.mark.parametrize(("spec", "x_shape", "w_shape", "contract"), [
+    ("NLI,IO->NLO", (2, 3, 4), (4, 6), 1),  # x the smaller operand of the weight gradient
+    ("NLI,IO->NLO", (2, 3, 6), (6, 4), 1),  # dy the smaller
+    ("NLD,DHK->NLHK", (2, 3, 4), (4, 3, 2), 1),  # the q/k/v projections
+    ("NLHK,HKD->NLD", (2, 3, 2, 3), (2, 3, 5), 2),  # the out-projection
+])
+def test_project_is_the_einsum_forward_and_backward_on_and_off(spec, x_shape, w_shape, contract):
+    from jaxblock import cpu_weight_gradient as cw
+
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=x_shape), jnp.float32)
+    w = jnp.asarray(rng.normal(size=w_shape), jnp.float32)
+    expected = jnp.einsum(spec, x, w)
+    upstream = jnp.asarray(rng.normal(size=expected.shape), jnp.float32)
+
+    def grads(f):
+        return jax.jit(jax.grad(lambda x, w: jnp.sum(jnp.sin(f(x, w)) * upstream), argnums=(0, 1)))(x, w)
+
+    want = grads(lambda x, w: jnp.einsum(spec, x, w))
+    for on in (True, False):
+        with cw.forced(on):
+            np.testing.assert_allclose(cw.project(x, w, contract), expected, rtol=1e-6, atol=1e-6)
+            got = grads(lambda x, w: cw.project(x, w, contract))
+            counted = str(jax.make_jaxpr(lambda x, w: cw.project(x, w, contract))(x, w)).count("custom_vjp")
+        assert counted == (1 if on else 0)
+        for a, b in zip(got, want, strict=True):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+    assert cw.applies() == (jax.default_backend() == "cpu")
+    with pytest.raises(ValueError, match="do not match"):
+        cw.project(x, w[:1], contract)
