@@ -92,3 +92,27 @@ def test_statistics_in_float32_output_in_compute_dtype(cls):
 def test_wrong_width_is_rejected():
     with pytest.raises(AssertionError):
         LayerNorm(_cfg(4)).init(jax.random.key(0), jnp.ones((1, 2, 5)))
+
+
+def test_layernorm_gradients_match_autodiff_of_the_formula():
+    # On a CPU the backward is written out (jaxblock/norms.py _standardize); it must be the formula's gradient,
+    # here from JAX's own autodiff of the plain formula.
+    cfg = _cfg(6, norm_eps=1e-5)
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(2, 3, 6)) * 3.0 + 1.0, jnp.float32)
+    upstream = jnp.asarray(rng.normal(size=(2, 3, 6)), jnp.float32)
+    _, params = _apply(LayerNorm, cfg, x)
+    params = jax.tree.map(lambda p: p + jnp.asarray(rng.normal(size=p.shape), jnp.float32), params)
+
+    def loss(p, x):
+        return jnp.sum(LayerNorm(cfg).apply({"params": p}, x) * upstream)
+
+    def formula(p, x):
+        mean = jnp.mean(x, -1, keepdims=True)
+        var = jnp.mean((x - mean) ** 2, -1, keepdims=True)
+        return jnp.sum(((x - mean) / jnp.sqrt(var + 1e-5) * p["scale"][None, None] + p["bias"][None, None]) * upstream)
+
+    (gp, gx), (wp, wx) = (jax.grad(f, argnums=(0, 1))(params, x) for f in (loss, formula))
+    np.testing.assert_allclose(np.asarray(gx), np.asarray(wx), rtol=1e-5, atol=1e-5)
+    for name in ("scale", "bias"):
+        np.testing.assert_allclose(np.asarray(gp[name]), np.asarray(wp[name]), rtol=1e-5, atol=1e-5)
