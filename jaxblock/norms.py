@@ -8,6 +8,8 @@ float32 whatever the compute dtype; eps sits inside the square root.
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import chex
 import flax.linen as nn
@@ -28,8 +30,7 @@ class LayerNorm(nn.Module):
         cfg = self.config
         chex.assert_axis_dimension(x, -1, cfg.model_dim)
         x32 = x.astype(jnp.float32)
-        on_cpu = jax.default_backend() == "cpu"
-        y = _standardize(x32, cfg.norm_eps) if on_cpu else _standardize_fwd(x32, cfg.norm_eps)[0]
+        y = _standardize(x32, cfg.norm_eps) if _custom_applies() else _standardize_fwd(x32, cfg.norm_eps)[0]
         return _affine(self, y, cfg).astype(cfg.compute_dtype)
 
 
@@ -45,6 +46,26 @@ class RMSNorm(nn.Module):
         x32 = x.astype(jnp.float32)
         y = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + cfg.norm_eps)
         return _affine(self, y, cfg).astype(cfg.compute_dtype)
+
+
+# None: decide by backend (on for CPU); custom_backward(False) traces the plain formula (forward-mode autodiff).
+_custom: bool | None = None
+
+
+def _custom_applies() -> bool:
+    return jax.default_backend() == "cpu" if _custom is None else _custom
+
+
+@contextmanager
+def custom_backward(enabled: bool) -> Iterator[None]:
+    """While tracing, force LayerNorm's written-out backward on or off (off: plain autodiff, which
+    forward-mode differentiation such as jax.jvp needs)."""
+    global _custom
+    previous, _custom = _custom, enabled
+    try:
+        yield
+    finally:
+        _custom = previous
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))

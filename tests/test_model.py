@@ -393,3 +393,27 @@ def test_project_is_the_einsum_forward_and_backward_on_and_off(spec, x_shape, w_
     assert cw.applies() == (jax.default_backend() == "cpu")
     with pytest.raises(ValueError, match="do not match"):
         cw.project(x, w[:1], contract)
+
+
+def test_forward_mode_autodiff_runs_with_the_plain_formulas_as_docs_model_md_says():
+    # Custom VJPs are reverse-mode only; with the CPU's hand-written gradients off and attention='xla'
+    # the stack is plain JAX, and jax.jvp agrees with the reverse-mode gradient.
+    from jaxblock import cpu_residual_gradient, cpu_weight_gradient, norms
+
+    cfg = StackConfig(num_layers=2, block={**BLOCK, "attention": "xla"})
+    model = EncoderStack(cfg)
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(N, L, D)), jnp.float32)
+    dx = jnp.asarray(rng.normal(size=(N, L, D)), jnp.float32)
+    params = unbox(model.init(jax.random.key(0), x, VALID))["params"]
+
+    def f(x):
+        return jnp.sum(jnp.sin(model.apply({"params": params}, x, VALID)))
+
+    with cpu_residual_gradient.forced(False), cpu_weight_gradient.forced(False), norms.custom_backward(False):
+        tangent = jax.jvp(f, (x,), (dx,))[1]
+    reverse = jnp.sum(jax.grad(f)(x) * dx)  # with the custom gradients on (this is a CPU)
+    np.testing.assert_allclose(float(tangent), float(reverse), rtol=1e-4)
+    if jax.default_backend() == "cpu":  # and the default, custom-gradient trace refuses forward mode
+        with pytest.raises(TypeError, match="custom_vjp"):
+            jax.jvp(f, (x,), (dx,))
