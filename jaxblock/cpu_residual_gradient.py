@@ -25,10 +25,12 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from jaxblock.cpu_switch import CpuSwitch
 from jaxblock.wiring import wiring_of
 
-# None: decide by backend (on for CPU). bench forces it off to measure what it buys.
-_forced: bool | None = None
+_SWITCH = CpuSwitch()
+applies = _SWITCH.applies  # () -> bool: on for XLA's CPU backend unless forced
+forced = _SWITCH.forced  # (enabled) -> context manager: force on or off while tracing (the bench's variant)
 
 
 @jax.custom_vjp
@@ -51,22 +53,6 @@ settle_gradient.defvjp(_settle_fwd, _settle_bwd)
 def runtime_one(valid_tokens: jax.Array) -> jax.Array:
     """float32 1.0 computed from the mask, so XLA cannot fold the division away."""
     return (jnp.sum(valid_tokens, dtype=jnp.int32) >= 0).astype(jnp.float32)
-
-
-def applies() -> bool:
-    """Whether settling is on: by default only on XLA's CPU backend, where it measurably helps."""
-    return jax.default_backend() == "cpu" if _forced is None else _forced
-
-
-@contextmanager
-def forced(enabled: bool) -> Iterator[None]:
-    """Force settling on or off while tracing (the bench's "no settle_gradient" variant)."""
-    global _forced
-    previous, _forced = _forced, enabled
-    try:
-        yield
-    finally:
-        _forced = previous
 
 
 @contextmanager

@@ -18,30 +18,15 @@ CPU backend only, like jaxblock/cpu_residual_gradient.py; elsewhere `project` is
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import jax
 import jax.numpy as jnp
 
-# None: decide by backend (on for CPU). bench forces it off to measure what it buys.
-_forced: bool | None = None
+from jaxblock.cpu_switch import CpuSwitch
 
-
-def applies() -> bool:
-    """Whether the custom weight gradient is on: by default only on XLA's CPU backend."""
-    return jax.default_backend() == "cpu" if _forced is None else _forced
-
-
-@contextmanager
-def forced(enabled: bool) -> Iterator[None]:
-    """Force it on or off while tracing (the bench's "XLA's weight-gradient layout" variant)."""
-    global _forced
-    previous, _forced = _forced, enabled
-    try:
-        yield
-    finally:
-        _forced = previous
+_SWITCH = CpuSwitch()
+applies = _SWITCH.applies  # () -> bool: on for XLA's CPU backend unless forced
+forced = _SWITCH.forced  # (enabled) -> context manager: force on or off while tracing
 
 
 def project(x: jax.Array, w: jax.Array, contract: int) -> jax.Array:

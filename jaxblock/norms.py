@@ -8,8 +8,6 @@ float32 whatever the compute dtype; eps sits inside the square root.
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import chex
 import flax.linen as nn
@@ -17,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxblock.config import BlockConfig
+from jaxblock.cpu_switch import CpuSwitch
 from jaxblock.initializers import param
 
 
@@ -30,7 +29,7 @@ class LayerNorm(nn.Module):
         cfg = self.config
         chex.assert_axis_dimension(x, -1, cfg.model_dim)
         x32 = x.astype(jnp.float32)
-        y = _standardize(x32, cfg.norm_eps) if _custom_applies() else _standardize_fwd(x32, cfg.norm_eps)[0]
+        y = _standardize(x32, cfg.norm_eps) if _SWITCH.applies() else _standardize_fwd(x32, cfg.norm_eps)[0]
         return _affine(self, y, cfg).astype(cfg.compute_dtype)
 
 
@@ -48,24 +47,10 @@ class RMSNorm(nn.Module):
         return _affine(self, y, cfg).astype(cfg.compute_dtype)
 
 
-# None: decide by backend (on for CPU); custom_backward(False) traces the plain formula (forward-mode autodiff).
-_custom: bool | None = None
-
-
-def _custom_applies() -> bool:
-    return jax.default_backend() == "cpu" if _custom is None else _custom
-
-
-@contextmanager
-def custom_backward(enabled: bool) -> Iterator[None]:
-    """While tracing, force LayerNorm's written-out backward on or off (off: plain autodiff, which
-    forward-mode differentiation such as jax.jvp needs)."""
-    global _custom
-    previous, _custom = _custom, enabled
-    try:
-        yield
-    finally:
-        _custom = previous
+_SWITCH = CpuSwitch()
+# (enabled) -> context manager: force LayerNorm's written-out backward on or off while tracing (off: plain
+# autodiff, which forward-mode differentiation such as jax.jvp needs).
+custom_backward = _SWITCH.forced
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
