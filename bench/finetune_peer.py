@@ -45,9 +45,23 @@ def _batches(split: Any, order: np.ndarray, size: int, pad_id: int) -> list[tupl
 
 def _count(text: str) -> int:
     """A positive integer argument (argparse prints the one-line usage error otherwise)."""
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a count: pass a positive integer") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value} is too small: pass a positive count")
+    return value
+
+
+def _rate(text: str) -> float:
+    """A positive learning rate (PyTorch's AdamW would raise a traceback on a negative one)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text} is not a learning rate: pass a positive number such as 5e-5")
     return value
 
 
@@ -55,7 +69,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(prog="python -m bench.finetune_peer", description=__doc__.splitlines()[0])
     parser.add_argument("--epochs", type=_count, default=2)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--lr", type=float, default=5e-5)
+    parser.add_argument("--lr", type=_rate, default=5e-5)
     parser.add_argument("--batch-size", type=_count, default=32)
     parser.add_argument("--max-steps", type=_count, default=None, help="end each epoch after N steps (smoke test)")
     parser.add_argument("--threads", type=_count, default=None, help="torch threads (default: torch's own choice)")

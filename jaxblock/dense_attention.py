@@ -23,7 +23,8 @@ forward plus backward took ~0.55x (N16 L128 H4) and ~0.4x (N8 L256 H8) of the ti
 
 Layout: heads are laid out [N, G, R*L, K] (the R query heads of one k/v head stacked along the
 rows), so every product is one plain batched matmul over (N, G); q, k, v and the output are
-transposed once each, outside the custom VJP, where XLA folds the transposes into the projections.
+transposed once each, outside the custom VJP (each transpose is one copy in XLA's program: ~10 ms of the
+D256 training step; projecting straight into this layout measured slower).
 """
 
 from __future__ import annotations
