@@ -3,15 +3,17 @@
 Forward, per key/value head (q [N, L, H, K]; k, v [N, L, G, K]; R = H / G query heads per k/v head):
 
     S = (Q / sqrt(K)) K^T + B    B: 0 where a query may see a key, float32's lowest value where not
-    P = softmax(S)
+    P = softmax(S) * seen        seen: 1 for a query that sees at least one key, else 0
     P' = P * keep / (1 - rate)   attention-weight dropout (training only; keep: bool, the shape of P)
-    O = P' V, then 0 for a query that sees no key
+    O = P' V                     (so 0 for a query that sees no key)
 
 Backward, with the softmax gradient in its row-sum form:
 
     dV = P'^T dO      dP = (dO V^T) * keep / (1 - rate)      delta = rowsum(dO * O)
     dS = P * (dP - delta)      dQ = dS K / sqrt(K)      dK = dS^T Q / sqrt(K)
 
+A query that sees no key has P = 0 (a constant), so its O, delta and dS are 0: the same values and
+gradients as zeroing its output afterwards, without a select over [N, L, H, K] in each direction.
 The textbook form is `delta = rowsum(P * dP)`; `rowsum(dO * O)` is the same number (O = P' V) from an
 [L, K] product instead of an [L, L] one, and the identity holds with dropout too.
 
@@ -62,20 +64,22 @@ def dense_attention(
     kh = k.transpose(0, 2, 1, 3)  # [N, G, L, K]
     vh = v.transpose(0, 2, 1, 3)
     bias = jnp.where(mask, 0.0, _NEG)  # [N or 1, 1, L, L] float32
+    rows = seen.astype(jnp.float32)[:, None, :, None]  # [N, 1, L, 1]
     if r > 1:  # the same rows for each of the R stacked query heads
         bias = jnp.broadcast_to(bias[:, :, None], (bias.shape[0], 1, r, length, length))
         bias = bias.reshape(bias.shape[0], 1, r * length, length)
+        rows = jnp.tile(rows, (1, 1, r, 1))
     keep4 = None if keep is None else keep.reshape(n, g, r * length, length)
-    out = _core(qh, kh, vh, bias, keep4, float(rate))  # [N, G, R*L, K]
-    out = out.reshape(n, g, r, length, kdim).transpose(0, 3, 1, 2, 4).reshape(n, length, h, kdim)
-    return jnp.where(seen[:, :, None, None], out, jnp.zeros((), out.dtype))
+    out = _core(qh, kh, vh, bias, rows, keep4, float(rate))  # [N, G, R*L, K]
+    return out.reshape(n, g, r, length, kdim).transpose(0, 3, 1, 2, 4).reshape(n, length, h, kdim)
 
 
-def _weights(qh: jax.Array, kh: jax.Array, bias: jax.Array) -> jax.Array:
-    """P [N, G, R*L, L] float32: softmax over the keys of the (pre-scaled) scores plus the mask bias."""
+def _weights(qh: jax.Array, kh: jax.Array, bias: jax.Array, rows: jax.Array) -> jax.Array:
+    """P [N, G, R*L, L] float32: softmax over the keys of the (pre-scaled) scores plus the mask bias,
+    times `rows` (1 where the query sees a key, 0 where it sees none)."""
     s = jnp.einsum("NGQK,NGMK->NGQM", qh, kh, preferred_element_type=jnp.float32) + bias
     e = jnp.exp(s - jnp.max(s, axis=-1, keepdims=True))
-    return e / jnp.sum(e, axis=-1, keepdims=True)
+    return e / jnp.sum(e, axis=-1, keepdims=True) * rows
 
 
 def _dropped(p: jax.Array, keep: jax.Array | None, rate: float) -> jax.Array:
@@ -83,17 +87,19 @@ def _dropped(p: jax.Array, keep: jax.Array | None, rate: float) -> jax.Array:
     return p if keep is None else jnp.where(keep, p / (1.0 - rate), 0.0)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _core(qh: jax.Array, kh: jax.Array, vh: jax.Array, bias: jax.Array, keep: jax.Array | None,
-          rate: float) -> jax.Array:
-    """qh [N, G, R*L, K] (scaled), kh/vh [N, G, L, K], bias [N or 1, 1, R*L, L] -> [N, G, R*L, K]."""
-    return _core_fwd(qh, kh, vh, bias, keep, rate)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _core(qh: jax.Array, kh: jax.Array, vh: jax.Array, bias: jax.Array, rows: jax.Array,
+          keep: jax.Array | None, rate: float) -> jax.Array:
+    """qh [N, G, R*L, K] (scaled), kh/vh [N, G, L, K], bias [N or 1, 1, R*L, L], rows [N, 1, R*L, 1]
+    -> [N, G, R*L, K]."""
+    return _core_fwd(qh, kh, vh, bias, rows, keep, rate)[0]
 
 
 def _core_fwd(
-    qh: jax.Array, kh: jax.Array, vh: jax.Array, bias: jax.Array, keep: jax.Array | None, rate: float
+    qh: jax.Array, kh: jax.Array, vh: jax.Array, bias: jax.Array, rows: jax.Array, keep: jax.Array | None,
+    rate: float,
 ) -> tuple[jax.Array, tuple[Any, ...]]:
-    p = _weights(qh, kh, bias)
+    p = _weights(qh, kh, bias, rows)
     pv = _dropped(p, keep, rate).astype(vh.dtype)
     out = jnp.einsum("NGQM,NGMK->NGQK", pv, vh, preferred_element_type=jnp.float32).astype(qh.dtype)
     return out, (qh, kh, vh, p, keep, out)
@@ -104,13 +110,16 @@ def _core_bwd(rate: float, res: tuple[Any, ...], dout: jax.Array) -> tuple[Any, 
     dt = qh.dtype
     do = dout.astype(dt)
     pv = _dropped(p, keep, rate).astype(dt)
-    dv = jnp.einsum("NGQM,NGQK->NGMK", pv, do, preferred_element_type=jnp.float32)
+    # dV and dK are computed transposed ([.., K, L]) and swapped back: that form puts the [L, K] operand
+    # first, which XLA's CPU backend runs ~1.5x faster than dS^T Q at L = 256, and the swap folds into
+    # the head transpose outside the kernel (docs/performance-cpu.md).
+    dv = jnp.einsum("NGQK,NGQM->NGKM", do, pv, preferred_element_type=jnp.float32).swapaxes(-1, -2)
     dp = _dropped(jnp.einsum("NGQK,NGMK->NGQM", do, vh, preferred_element_type=jnp.float32), keep, rate)
     delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1, keepdims=True)  # [N, G, R*L, 1]
     ds = (p * (dp - delta)).astype(dt)
     dq = jnp.einsum("NGQM,NGMK->NGQK", ds, kh, preferred_element_type=jnp.float32)
-    dk = jnp.einsum("NGQM,NGQK->NGMK", ds, qh, preferred_element_type=jnp.float32)
-    return dq.astype(dt), dk.astype(kh.dtype), dv.astype(vh.dtype), None, None
+    dk = jnp.einsum("NGQK,NGQM->NGKM", qh, ds, preferred_element_type=jnp.float32).swapaxes(-1, -2)
+    return dq.astype(dt), dk.astype(kh.dtype), dv.astype(vh.dtype), None, None, None
 
 
 _core.defvjp(_core_fwd, _core_bwd)
