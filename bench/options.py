@@ -48,6 +48,11 @@ XLA_CANDIDATES: dict[str, dict[str, Any]] = {
 _FLAG_SPELLING = {xla_options.YNN_FUSION: {"": "", f"{_TYPES}DOT,{_TYPES}ELTWISE,{_TYPES}REDUCE": "dot,eltwise,reduce"}}
 
 
+def flag_spelling(compiler_options: dict[str, Any]) -> dict[str, str]:
+    """A candidate's options as XLA_FLAGS spells them (what jaxblock.xla_options applies)."""
+    return {k: _FLAG_SPELLING.get(k, {}).get(v, v) for k, v in compiler_options.items()}
+
+
 def options(ctx: Context) -> list[Record]:
     shape = ctx.small
     other_dtype = "float32" if ctx.dtype == "bfloat16" else "bfloat16"
@@ -81,7 +86,7 @@ def options(ctx: Context) -> list[Record]:
         configs[name] = {**shape.as_dict(), "scan": scan, "remat": remat, "donate": donate,
                          "settle_gradient": settle, "cpu_weight_gradient": weight_gradient, **opts}
     for name, compiler_options in XLA_CANDIDATES.items():
-        spelled = {k: _FLAG_SPELLING.get(k, {}).get(v, v) for k, v in compiler_options.items()}
+        spelled = flag_spelling(compiler_options)
         if not all(xla_options.known(spelled).values()):
             ctx.log(f"options {name}: unknown to this jaxlib, left out")
             continue

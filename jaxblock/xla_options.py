@@ -7,9 +7,12 @@
 Importing jaxblock changes nothing: only `apply()` touches `XLA_FLAGS`. `python -m train` and `python -m bench`
 call it at start; `JAXBLOCK_XLA_OPTIONS=off` turns it off for them. The rules:
 
-- The options come from `OPTIONS`, one set per CPU kind (vendor and vector ISA from /proc/cpuinfo), each set
-  measured on that kind of machine (docs/performance-cpu.md); a kind without a measurement keeps XLA's
-  defaults. None of them changes numerics: float32 dots stay float32, no fast-math option is ever set.
+- The options come from a measurement of this very machine when there is one: `python -m bench.tune_xla` times
+  the candidates against XLA's defaults on the training step and keeps the winner (or the defaults) in
+  ~/.cache/jaxblock/xla-options-measured.json, per CPU model and jaxlib version. Otherwise from `OPTIONS`, one
+  set per CPU kind (vendor and vector ISA from /proc/cpuinfo), each measured on that kind of machine
+  (docs/performance-cpu.md); a kind without a measurement keeps XLA's defaults. None of them changes
+  numerics: float32 dots stay float32, no fast-math option is ever set.
 - A user's own `XLA_FLAGS` win, flag by flag: an option the user set (to any value) is left as the user set it.
 - XLA aborts the process on an option its build does not know, so every option is checked against the
   installed jaxlib first: from `KNOWN` for the versions it lists, otherwise by starting XLA in a subprocess
@@ -46,6 +49,7 @@ _YNN_LISTS = frozenset({"", "dot", "dot,eltwise", "dot,reduce", "dot,eltwise,red
 # `python -m bench --only options` times the candidates on a new machine (bench/options.py XLA_CANDIDATES).
 OPTIONS: dict[str, dict[str, str]] = {
     "intel-avx512": {GRAPH_FUSION: GREEDY},
+    "amd-avx512": {},  # measured: XLA's defaults
 }
 
 # jaxlib version prefix -> {option: allowed values (empty: any value)} known to that build (read from its
@@ -115,18 +119,22 @@ def parse_flags(text: str) -> dict[str, str]:
 
 
 def format_flags(options: dict[str, str]) -> str:
-    return " ".join(f"--{k}={v}" if v else f"--{k}" for k, v in options.items())
+    """{'a': '1', 'b': ''} -> '--a=1 --b=': always with '=', since XLA reads a bare '--b' as a boolean switch
+    and aborts on it for a string option (an empty YNN fusion list turns YNN off)."""
+    return " ".join(f"--{k}={v}" for k, v in options.items())
 
 
 @dataclass(frozen=True)
 class XlaOptions:
-    """What `apply()` decided. chosen: this CPU kind's set; applied: what it added to XLA_FLAGS; user_kept: the
-    user's own values that overrode ours; dropped: options the installed jaxlib does not know."""
+    """What `apply()` decided. chosen: this machine's set (source: measured here, or the CPU kind's table);
+    applied: what it added to XLA_FLAGS; user_kept: the user's own values that overrode ours; dropped: options
+    the installed jaxlib does not know."""
 
     cpu: str
     kind: str
     status: str  # applied | nothing to apply | off | too late | not applied
     chosen: dict[str, str] = field(default_factory=dict)
+    source: str = ""  # where `chosen` came from: this machine's measurement, the CPU kind's table, or neither
     applied: dict[str, str] = field(default_factory=dict)
     user_kept: dict[str, str] = field(default_factory=dict)
     dropped: dict[str, str] = field(default_factory=dict)
@@ -139,7 +147,8 @@ class XlaOptions:
             parts.append(f"user's XLA_FLAGS kept: {format_flags(self.user_kept)}")
         if self.dropped:
             parts.append(f"unknown to this jaxlib, dropped: {format_flags(self.dropped)}")
-        return f"{self.cpu} [{self.kind}]: {'; '.join(parts)} ({self.status})"
+        status = f"{self.status}; {self.source}" if self.source else self.status
+        return f"{self.cpu} [{self.kind}]: {'; '.join(parts)} ({status})"
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -148,9 +157,85 @@ class XlaOptions:
 _APPLIED: XlaOptions | None = None
 
 
+def _cache_dir() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "jaxblock"
+
+
 def _cache_path(jaxlib: str) -> Path:
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return base / "jaxblock" / f"xla-options-jaxlib-{jaxlib}.json"
+    return _cache_dir() / f"xla-options-jaxlib-{jaxlib}.json"
+
+
+def measured_path() -> Path:
+    """Where `python -m bench.tune_xla` keeps its choices: one entry per CPU model and jaxlib version."""
+    return _cache_dir() / "xla-options-measured.json"
+
+
+def machine_key(cpu: Cpu, jaxlib: str) -> str:
+    return f"{cpu.model} [{cpu.kind}] jaxlib {jaxlib}"
+
+
+def _jaxlib_version() -> str:
+    try:
+        return importlib.metadata.version("jaxlib")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def _read_measured(path: Path) -> dict[str, Any]:
+    """The measured-choices file as a dict; {} when absent. Raises ValueError when it is not ours to read."""
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{path} is unreadable ({type(err).__name__})") from err
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} is not a JSON object")
+    return data
+
+
+def measured(cpu: Cpu, jaxlib: str | None = None) -> dict[str, Any] | None:
+    """This machine's entry from `python -m bench.tune_xla` ({"options": {...}, "measured_at": ..., ...}),
+    or None: none saved for this CPU model and jaxlib, or the file or entry is damaged (then the table applies)."""
+    try:
+        entry = _read_measured(measured_path()).get(machine_key(cpu, jaxlib or _jaxlib_version()))
+    except ValueError:
+        return None
+    options = entry.get("options") if isinstance(entry, dict) else None
+    if not isinstance(options, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in options.items()):
+        return None
+    return entry
+
+
+def save_measured(cpu: Cpu, jaxlib: str | None, entry: dict[str, Any]) -> Path:
+    """Keep `entry` (with its "options") as this machine's choice, beside other machines' entries. Written to a
+    temporary file and renamed, so a crash leaves the old file whole; an unreadable old file is kept aside
+    as <name>.unreadable rather than overwritten. Raises OSError when the cache cannot be written."""
+    path = measured_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        data = _read_measured(path)
+    except ValueError:
+        os.replace(path, path.with_name(path.name + ".unreadable"))
+        data = {}
+    data[machine_key(cpu, jaxlib or _jaxlib_version())] = entry
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+
+def choice(cpu: Cpu, jaxlib: str | None = None) -> tuple[dict[str, str], str]:
+    """(options, where they came from): this machine's measurement if saved, else the CPU kind's table."""
+    entry = measured(cpu, jaxlib)
+    if entry is not None:
+        return dict(entry["options"]), f"measured on this machine {entry.get('measured_at', '')}".rstrip()
+    if cpu.kind in OPTIONS:
+        return dict(OPTIONS[cpu.kind]), f"{cpu.kind} table"
+    return {}, "no measurement for this CPU kind: python -m bench.tune_xla makes one"
 
 
 def _starts(options: dict[str, str], timeout_s: float = 120.0) -> bool:
@@ -189,10 +274,7 @@ def probe(options: dict[str, str], jaxlib: str) -> dict[str, bool]:
 def known(options: dict[str, str], jaxlib: str | None = None) -> dict[str, bool]:
     """{option: the installed jaxlib accepts it (name and value)}: by `KNOWN` where it lists the version."""
     if jaxlib is None:
-        try:
-            jaxlib = importlib.metadata.version("jaxlib")
-        except importlib.metadata.PackageNotFoundError:
-            jaxlib = "unknown"
+        jaxlib = _jaxlib_version()
     for prefix, table in KNOWN.items():
         if jaxlib.startswith(prefix):
             return {k: k in table and (not table[k] or v in table[k]) for k, v in options.items()}
@@ -210,9 +292,10 @@ def apply(env: Any = None, *, cpu: Cpu | None = None, jaxlib: str | None = None)
     global _APPLIED
     env = os.environ if env is None else env
     cpu = cpu or read_cpu()
-    chosen = dict(OPTIONS.get(cpu.kind, {}))
+    chosen, source = choice(cpu, jaxlib)
     user = parse_flags(env.get("XLA_FLAGS", ""))
-    result = XlaOptions(cpu.model, cpu.kind, "nothing to apply", chosen=chosen, xla_flags=env.get("XLA_FLAGS", ""))
+    result = XlaOptions(cpu.model, cpu.kind, "nothing to apply", chosen=chosen, source=source,
+                        xla_flags=env.get("XLA_FLAGS", ""))
     if env.get(ENV_SWITCH, "").strip().lower() in ("off", "0", "none", "false"):
         result = replace(result, status=f"off ({ENV_SWITCH})")
     elif env is os.environ and _backend_started():
@@ -237,6 +320,7 @@ def current() -> XlaOptions:
     if _APPLIED is not None:
         return _APPLIED
     cpu = read_cpu()
-    return XlaOptions(cpu.model, cpu.kind, "not applied", chosen=dict(OPTIONS.get(cpu.kind, {})),
+    chosen, source = choice(cpu)
+    return XlaOptions(cpu.model, cpu.kind, "not applied", chosen=chosen, source=source,
                       user_kept=parse_flags(os.environ.get("XLA_FLAGS", "")),
                       xla_flags=os.environ.get("XLA_FLAGS", ""))

@@ -61,7 +61,8 @@ def pytest_report_header(config: pytest.Config) -> str:
     from jaxblock import xla_options
 
     cpu = xla_options.read_cpu()
-    mine = xla_options.format_flags(xla_options.OPTIONS.get(cpu.kind, {})) or "none"
+    chosen, source = xla_options.choice(cpu)
+    mine = f"{xla_options.format_flags(chosen) or 'none'} ({source})"
     flags = os.environ.get("XLA_FLAGS", "")
     return f"XLA_FLAGS: {flags} | {cpu.model} [{cpu.kind}], performance set not applied: {mine}"
 

@@ -1,6 +1,7 @@
 """jaxblock.xla_options: the CPU kind read from /proc/cpuinfo, the user's XLA_FLAGS winning flag by flag,
 options unknown to the installed jaxlib dropped (never passed on to abort XLA), too-late and switched-off
-calls changing nothing, and (slow) the subprocess probe and `python -m bench` naming the set it used."""
+calls changing nothing, a measurement of this machine (python -m bench.tune_xla) beating the kind's table,
+and (slow) the subprocess probe, the tuner end to end, and `python -m bench` naming the set it used."""
 
 import json
 import os
@@ -21,6 +22,12 @@ OLD = "vendor_id\t: AuthenticAMD\nmodel name\t: AMD EPYC 7B12\nflags\t\t: fpu ss
 JAXLIB = "0.10.2"  # a version the table lists: no subprocess
 
 
+@pytest.fixture(autouse=True)
+def _own_cache(monkeypatch, tmp_path):
+    """Each test reads and writes a cache of its own, never the user's ~/.cache/jaxblock."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+
+
 def _cpu(text: str) -> Cpu:
     return Cpu(**{**read_cpu(text).__dict__, "machine": "x86_64"})
 
@@ -37,6 +44,7 @@ def test_flags_parse_and_format_round_trip():
     parsed = parse_flags("--a=1  --b --c=x,y stray")
     assert parsed == {"a": "1", "b": "", "c": "x,y"}
     assert parse_flags(format_flags(parsed)) == parsed
+    assert format_flags({"a": ""}) == "--a="  # XLA aborts on a bare --a for a string option
     assert parse_flags("--a='1 --b") == {"a": "'1", "b": ""}  # an unbalanced quote never raises
 
 
@@ -135,11 +143,102 @@ def test_the_probe_finds_what_this_jaxlib_knows(monkeypatch, tmp_path):
 
 @pytest.mark.slow
 def test_bench_names_the_machine_and_option_set(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # XDG_CACHE_HOME: this test's own
     command = [sys.executable, "-m", "bench", "--quick", "--only", "peak", "--json", str(tmp_path / "r.json")]
     out = subprocess.run(command, env=env, capture_output=True, text=True, cwd=ROOT, timeout=600, check=True)
     cpu = read_cpu()
     assert f"machine: {cpu.model} [{cpu.kind}]" in out.stdout
     meta = json.loads((tmp_path / "r.json").read_text())["meta"]
-    assert meta["cpu"] == cpu.model and meta["xla_options"]["chosen"] == xla_options.OPTIONS.get(cpu.kind, {})
+    assert meta["cpu"] == cpu.model and meta["xla_options"]["chosen"] == xla_options.choice(cpu)[0]
     assert meta["xla_options"]["status"] in ("applied", "nothing to apply")
+
+
+# --- a measurement of this machine (python -m bench.tune_xla) ---------------------------------------------
+
+
+def _measure(cpu: Cpu, options: dict[str, str], jaxlib: str = JAXLIB) -> Path:
+    return xla_options.save_measured(cpu, jaxlib, {"options": options, "measured_at": "2026-12-01"})
+
+
+def test_a_measured_choice_beats_the_kinds_table_for_that_cpu_model_and_jaxlib_only(amd_set):
+    ynn_off = {xla_options.YNN_FUSION: ""}
+    _measure(_cpu(AMD), ynn_off)
+    env: dict[str, str] = {}
+    chosen = apply(env, cpu=_cpu(AMD), jaxlib=JAXLIB)
+    assert chosen.applied == ynn_off and env["XLA_FLAGS"] == f"--{xla_options.YNN_FUSION}="
+    assert "measured on this machine 2026-12-01" in chosen.describe()
+    # Another model of the same kind, or another jaxlib, still gets the kind's table.
+    other = Cpu(**{**_cpu(AMD).__dict__, "model": "AMD EPYC 7B13"})
+    assert apply({}, cpu=other, jaxlib=JAXLIB).applied == amd_set
+    assert apply({}, cpu=_cpu(AMD), jaxlib="0.10.3").applied == amd_set
+    assert "amd-avx512 table" in apply({}, cpu=other, jaxlib=JAXLIB).describe()
+
+
+def test_measured_defaults_override_the_table_and_the_users_flags_still_win():
+    _measure(_cpu(INTEL), {})  # measured: nothing beat XLA's defaults on this Intel model
+    chosen = apply({}, cpu=_cpu(INTEL), jaxlib=JAXLIB)
+    assert xla_options.OPTIONS["intel-avx512"] and chosen.applied == {} and chosen.status == "nothing to apply"
+    assert chosen.source.startswith("measured")
+    name = xla_options.YNN_FUSION
+    _measure(_cpu(INTEL), {name: "", "xla_cpu_no_such_option": "1"})
+    env = {"XLA_FLAGS": f"--{name}=dot"}
+    chosen = apply(env, cpu=_cpu(INTEL), jaxlib=JAXLIB)
+    assert chosen.user_kept == {name: "dot"} and chosen.dropped == {"xla_cpu_no_such_option": "1"}
+    assert env["XLA_FLAGS"] == f"--{name}=dot"
+
+
+def test_a_damaged_measurement_file_falls_back_to_the_table_and_is_kept_aside_on_save(amd_set):
+    path = _measure(_cpu(INTEL), {})
+    path.write_text("{ not json")
+    assert apply({}, cpu=_cpu(AMD), jaxlib=JAXLIB).applied == amd_set  # unreadable: the table, no error
+    _measure(_cpu(AMD), {})
+    assert path.with_name(path.name + ".unreadable").read_text() == "{ not json"
+    assert json.loads(path.read_text()) == {
+        xla_options.machine_key(_cpu(AMD), JAXLIB): {"options": {}, "measured_at": "2026-12-01"}}
+    # An entry of the wrong shape is ignored, and saving keeps the other machines' entries.
+    path.write_text(json.dumps({xla_options.machine_key(_cpu(AMD), JAXLIB): {"options": ["x"]}, "other": {}}))
+    assert apply({}, cpu=_cpu(AMD), jaxlib=JAXLIB).applied == amd_set
+    _measure(_cpu(INTEL), {})
+    assert set(json.loads(path.read_text())) == {"other", xla_options.machine_key(_cpu(AMD), JAXLIB),
+                                                 xla_options.machine_key(_cpu(INTEL), JAXLIB)}
+
+
+def test_the_tuner_keeps_a_candidate_only_if_it_wins_at_every_shape():
+    from bench.tune_xla import decide
+
+    speedups = {"a": [1.05, 1.04], "b": [1.30, 1.01], "c": [1.08, 1.06]}
+    assert decide(speedups, 1.03) == "c"  # b is faster on average but loses at the second shape
+    assert decide(speedups, 1.07) is None
+    assert decide({"a": [0.9, 0.95]}, 1.0) is None and decide({}, 1.03) is None
+
+
+@pytest.mark.parametrize("argv", [["--reps", "0"], ["--margin", "0.9"], ["--margin", "fast"], ["--bogus"]])
+def test_the_tuners_usage_errors_are_one_line_and_exit_2(argv, capsys):
+    from bench.tune_xla import main
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("python -m bench.tune_xla: error:") and "Traceback" not in "".join(err)
+
+
+@pytest.mark.slow
+def test_the_tuner_measures_saves_and_apply_uses_it(monkeypatch, tmp_path, capsys):
+    import bench.context
+    from bench import tune_xla
+
+    monkeypatch.setattr(bench.context, "CPU_SHAPES", bench.context.QUICK_SHAPES)
+    assert tune_xla.main(["--reps", "2", "--warmup", "1", "--margin", "1.0"]) == 0
+    out = capsys.readouterr().out
+    entry = xla_options.measured(read_cpu())
+    assert entry is not None and entry["margin"] == 1.0 and len(entry["speedups"]) >= 1
+    choice = out.split("choice: ", 1)[1].split(" (", 1)[0]
+    assert choice == (format_flags(entry["options"]) or "XLA's defaults")
+    assert apply({}, jaxlib=None).chosen == entry["options"]
+    # A cache that cannot be written: one line, exit 1, nothing else touched.
+    blocker = tmp_path / "blocked"
+    blocker.write_text("a file where the cache directory would go")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(blocker))
+    assert tune_xla.main(["--reps", "1", "--warmup", "1"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "could not save the choice" in err[0]
+    assert blocker.read_text() == "a file where the cache directory would go"
