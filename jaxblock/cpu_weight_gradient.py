@@ -11,7 +11,8 @@ transpose back into the dot. The input gradient dx = dy W^T is unchanged.
 
 The values are the same sums in another order (float32 rounding differs, ~1e-7 relative). Measured in
 one interleaved run each (Pre-LN float32 training step on a 2-core AMD EPYC, the dense attention kernel
-on): 1.07x at N16 L128 D256 B4 and 1.11x at N8 L256 D512 B4 (docs/performance-cpu.md). Applied on the
+on): 1.07x at N16 L128 D256 B4 and 1.11x at N8 L256 D512 B4 (docs/performance-cpu.md); keeping the
+small result's transpose out of the dot (below) another 1.04x at D256 (neutral at D512). Applied on the
 CPU backend only, like jaxblock/cpu_residual_gradient.py; elsewhere `project` is the plain product.
 """
 
@@ -61,7 +62,9 @@ def _matmul_bwd(res: tuple[jax.Array, jax.Array], dy: jax.Array) -> tuple[jax.Ar
     if x2.shape[1] <= dy2.shape[1]:  # x is the smaller: dW = (x^T) dy
         dw = jax.lax.optimization_barrier(x2.T) @ dy2
     else:  # dy is the smaller: dW = ((dy^T) x)^T, a transpose of the small [O, I] result
-        dw = (jax.lax.optimization_barrier(dy2.T) @ x2).T
+        # The second barrier keeps XLA from folding that transpose into the dot, which would make it a
+        # transposed-operand dot that XNNPACK does not take (XLA's own, slower dot ran it instead).
+        dw = jax.lax.optimization_barrier(jax.lax.optimization_barrier(dy2.T) @ x2).T
     return dx.astype(x.dtype), dw.astype(w.dtype)
 
 
