@@ -26,6 +26,8 @@ from typing import Any
 
 import numpy as np
 
+from bench.arguments import checked, count
+
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs/sentiment_pretrained.yaml"
 
@@ -43,36 +45,17 @@ def _batches(split: Any, order: np.ndarray, size: int, pad_id: int) -> list[tupl
     return out
 
 
-def _count(text: str) -> int:
-    """A positive integer argument (argparse prints the one-line usage error otherwise)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a count: pass a positive integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is too small: pass a positive count")
-    return value
-
-
-def _rate(text: str) -> float:
-    """A positive learning rate (PyTorch's AdamW would raise a traceback on a negative one)."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"{text} is not a learning rate: pass a positive number such as 5e-5")
-    return value
+_rate = checked(float, lambda v: v > 0, "a learning rate: pass a positive number such as 5e-5")  # AdamW raises on <= 0
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(prog="python -m bench.finetune_peer", description=__doc__.splitlines()[0])
-    parser.add_argument("--epochs", type=_count, default=2)
+    parser.add_argument("--epochs", type=count, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--lr", type=_rate, default=5e-5)
-    parser.add_argument("--batch-size", type=_count, default=32)
-    parser.add_argument("--max-steps", type=_count, default=None, help="end each epoch after N steps (smoke test)")
-    parser.add_argument("--threads", type=_count, default=None, help="torch threads (default: torch's own choice)")
+    parser.add_argument("--batch-size", type=count, default=32)
+    parser.add_argument("--max-steps", type=count, default=None, help="end each epoch after N steps (smoke test)")
+    parser.add_argument("--threads", type=count, default=None, help="torch threads (default: torch's own choice)")
     args = parser.parse_args(argv)
 
     import torch

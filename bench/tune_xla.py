@@ -24,6 +24,8 @@ from typing import Any
 
 import numpy as np
 
+from bench.arguments import checked, count
+
 
 def decide(speedups: dict[str, list[float]], margin: float) -> str | None:
     """The candidate to keep: at least `margin` faster than the defaults at every shape, fastest by geometric
@@ -35,8 +37,8 @@ def decide(speedups: dict[str, list[float]], margin: float) -> str | None:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.tune_xla", description=__doc__.split("\n")[0])
-    p.add_argument("--reps", type=_positive, default=7, help="timed steps per variant and shape (default 7)")
-    p.add_argument("--warmup", type=_positive, default=2, help="untimed steps first (default 2)")
+    p.add_argument("--reps", type=count, default=7, help="timed steps per variant and shape (default 7)")
+    p.add_argument("--warmup", type=count, default=2, help="untimed steps first (default 2)")
     p.add_argument("--margin", type=_speedup, default=1.03,
                    help="how much faster than the defaults a candidate must be at every shape (default 1.03)")
     p.add_argument("--dry-run", action="store_true", help="measure and print; save nothing")
@@ -44,24 +46,7 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text} must be at least 1")
-    return value
-
-
-def _speedup(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not 1.0 <= value < 10.0:
-        raise argparse.ArgumentTypeError(f"{text} must be a ratio from 1.0 (e.g. 1.03 = 3% faster)")
-    return value
+_speedup = checked(float, lambda v: 1.0 <= v < 10.0, "a speed ratio from 1.0 (e.g. 1.03 = 3% faster)")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -250,3 +250,19 @@ def test_chunked_attention_gradients_match_autodiff_of_dense_attention_with_ever
     for a, b in zip(*grads, strict=True):
         np.testing.assert_allclose(b, a, atol=1e-5)
     np.testing.assert_array_equal(np.asarray(grads[1][0])[0], 0.0)  # no real key: no gradient
+
+
+def test_bench_argument_types_refuse_bad_values_with_what_to_pass():
+    import argparse
+
+    from bench.arguments import checked, count
+
+    assert count("3") == 3
+    for bad in ("0", "-2", "x", "1.5", ""):
+        with pytest.raises(argparse.ArgumentTypeError, match="is not a count: pass a positive integer"):
+            count(bad)
+    rate = checked(float, lambda v: v > 0, "a learning rate")
+    assert rate("5e-5") == 5e-5
+    for bad in ("-1", "0", "nan", "abc"):
+        with pytest.raises(argparse.ArgumentTypeError, match=f"'{bad}' is not a learning rate"):
+            rate(bad)

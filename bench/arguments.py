@@ -1,0 +1,27 @@
+"""Argument types for the bench commands: a value argparse refuses in its one usage line, exit 2."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from typing import TypeVar
+
+T = TypeVar("T", int, float)
+
+
+def checked(cast: Callable[[str], T], accepts: Callable[[T], bool], wanted: str) -> Callable[[str], T]:
+    """An argparse `type`: `cast` the text, then require `accepts(value)`; otherwise "'x' is not <wanted>"."""
+
+    def parse(text: str) -> T:
+        try:
+            value = cast(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {wanted}") from None
+        if not accepts(value):  # NaN fails every comparison, so it is refused too
+            raise argparse.ArgumentTypeError(f"{text!r} is not {wanted}")
+        return value
+
+    return parse
+
+
+count = checked(int, lambda v: v >= 1, "a count: pass a positive integer")
