@@ -10,7 +10,7 @@ over the shapes) is kept, or XLA's defaults when none wins. The choice goes to
 ~/.cache/jaxblock/xla-options-measured.json under this CPU model and jaxlib version, and from then on
 `jaxblock.xla_options.apply()` (python -m train, python -m bench) uses it instead of the CPU kind's table:
 a measurement of this machine beats a guess from its kind. Rerun it after changing jaxlib or machine.
-Exit codes: 0 measured (and saved), 1 the choice could not be saved, 2 bad usage.
+Exit codes: 0 measured (and saved), 1 the choice could not be saved, 2 bad usage, 130 interrupted (nothing saved).
 """
 
 from __future__ import annotations
@@ -54,12 +54,20 @@ def main(argv: list[str] | None = None) -> int:
         args = _parser().parse_args(argv)
     except SystemExit as exit_:
         return 0 if exit_.code == 0 else 2
+    try:
+        return _tune(args)
+    except KeyboardInterrupt:
+        print("python -m bench.tune_xla: interrupted; nothing saved", file=sys.stderr)
+        return 130
+
+
+def _tune(args: argparse.Namespace) -> int:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     from jaxblock import xla_options  # apply() is not called: the baseline is XLA's defaults
 
     cpu = xla_options.read_cpu()
     user = os.environ.get("XLA_FLAGS", "").strip()
-    print(f"machine: {cpu.model} [{cpu.kind}], jaxlib {xla_options._jaxlib_version()}"
+    print(f"machine: {cpu.model} [{cpu.kind}], jaxlib {xla_options.jaxlib_version()}"
           + (f"; your XLA_FLAGS under every variant: {user}" if user else ""), flush=True)
 
     from bench.context import CPU_SHAPES, QUICK_SHAPES

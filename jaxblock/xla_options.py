@@ -174,7 +174,7 @@ def machine_key(cpu: Cpu, jaxlib: str) -> str:
     return f"{cpu.model} [{cpu.kind}] jaxlib {jaxlib}"
 
 
-def _jaxlib_version() -> str:
+def jaxlib_version() -> str:
     try:
         return importlib.metadata.version("jaxlib")
     except importlib.metadata.PackageNotFoundError:
@@ -198,7 +198,7 @@ def measured(cpu: Cpu, jaxlib: str | None = None) -> dict[str, Any] | None:
     """This machine's entry from `python -m bench.tune_xla` ({"options": {...}, "measured_at": ..., ...}),
     or None: none saved for this CPU model and jaxlib, or the file or entry is damaged (then the table applies)."""
     try:
-        entry = _read_measured(measured_path()).get(machine_key(cpu, jaxlib or _jaxlib_version()))
+        entry = _read_measured(measured_path()).get(machine_key(cpu, jaxlib or jaxlib_version()))
     except ValueError:
         return None
     options = entry.get("options") if isinstance(entry, dict) else None
@@ -218,7 +218,7 @@ def save_measured(cpu: Cpu, jaxlib: str | None, entry: dict[str, Any]) -> Path:
     except ValueError:
         os.replace(path, path.with_name(path.name + ".unreadable"))
         data = {}
-    data[machine_key(cpu, jaxlib or _jaxlib_version())] = entry
+    data[machine_key(cpu, jaxlib or jaxlib_version())] = entry
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         tmp.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
@@ -274,7 +274,7 @@ def probe(options: dict[str, str], jaxlib: str) -> dict[str, bool]:
 def known(options: dict[str, str], jaxlib: str | None = None) -> dict[str, bool]:
     """{option: the installed jaxlib accepts it (name and value)}: by `KNOWN` where it lists the version."""
     if jaxlib is None:
-        jaxlib = _jaxlib_version()
+        jaxlib = jaxlib_version()
     for prefix, table in KNOWN.items():
         if jaxlib.startswith(prefix):
             return {k: k in table and (not table[k] or v in table[k]) for k, v in options.items()}

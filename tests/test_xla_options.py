@@ -242,3 +242,15 @@ def test_the_tuner_measures_saves_and_apply_uses_it(monkeypatch, tmp_path, capsy
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "could not save the choice" in err[0]
     assert blocker.read_text() == "a file where the cache directory would go"
+
+
+def test_an_interrupted_tuner_says_so_in_one_line_and_saves_nothing(monkeypatch, capsys):
+    from bench import tune_xla
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(tune_xla, "_tune", interrupted)
+    assert tune_xla.main([]) == 130
+    assert capsys.readouterr().err.strip() == "python -m bench.tune_xla: interrupted; nothing saved"
+    assert not xla_options.measured_path().exists()
