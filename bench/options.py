@@ -53,6 +53,13 @@ def flag_spelling(compiler_options: dict[str, Any]) -> dict[str, str]:
     return {k: _FLAG_SPELLING.get(k, {}).get(v, v) for k, v in compiler_options.items()}
 
 
+def usable_candidates() -> tuple[dict[str, dict[str, Any]], list[str]]:
+    """(the XLA_CANDIDATES the installed jaxlib knows, by name; the names of those it does not)."""
+    usable = {name: opts for name, opts in XLA_CANDIDATES.items()
+              if all(xla_options.known(flag_spelling(opts)).values())}
+    return usable, [name for name in XLA_CANDIDATES if name not in usable]
+
+
 def options(ctx: Context) -> list[Record]:
     shape = ctx.small
     other_dtype = "float32" if ctx.dtype == "bfloat16" else "bfloat16"
@@ -85,11 +92,11 @@ def options(ctx: Context) -> list[Record]:
             steps[name] = OursTrain(cfg, params, x, valid, donate=donate)
         configs[name] = {**shape.as_dict(), "scan": scan, "remat": remat, "donate": donate,
                          "settle_gradient": settle, "cpu_weight_gradient": weight_gradient, **opts}
-    for name, compiler_options in XLA_CANDIDATES.items():
+    usable, unknown = usable_candidates()
+    for name in unknown:
+        ctx.log(f"options {name}: unknown to this jaxlib, left out")
+    for name, compiler_options in usable.items():
         spelled = flag_spelling(compiler_options)
-        if not all(xla_options.known(spelled).values()):
-            ctx.log(f"options {name}: unknown to this jaxlib, left out")
-            continue
         ctx.log(f"options {name}: compiling")
         cfg = stack_config(shape, dtype=ctx.dtype)
         steps[name] = OursTrain(cfg, params, x, valid, compiler_options=compiler_options)

@@ -72,16 +72,15 @@ def _tune(args: argparse.Namespace) -> int:
 
     from bench.context import CPU_SHAPES, QUICK_SHAPES
     from bench.measure import time_interleaved
-    from bench.options import XLA_CANDIDATES, flag_spelling
+    from bench.options import flag_spelling, usable_candidates
     from bench.workloads import OursTrain, init_params, make_inputs, stack_config
 
     shapes = QUICK_SHAPES if args.quick else CPU_SHAPES
     reps, warmup = (2, 1) if args.quick else (args.reps, args.warmup)
-    candidates = {name.removeprefix("xla "): opts for name, opts in XLA_CANDIDATES.items()
-                  if all(xla_options.known(flag_spelling(opts)).values())}
-    for name in XLA_CANDIDATES:
-        if name.removeprefix("xla ") not in candidates:
-            print(f"{name}: unknown to this jaxlib, left out", flush=True)
+    usable, unknown = usable_candidates()
+    candidates = {name.removeprefix("xla "): opts for name, opts in usable.items()}
+    for name in unknown:
+        print(f"{name}: unknown to this jaxlib, left out", flush=True)
     speedups: dict[str, list[float]] = {name: [] for name in candidates}
     rows: list[tuple[str, str, float, float]] = []
     for shape in shapes:
