@@ -158,3 +158,13 @@ def _additive_to_bool(m: np.ndarray, name: str) -> np.ndarray:
             "pass a boolean mask or move the bias into the model"
         )
     return ~blocked
+
+
+def sees_a_key(mask: jax.Array, valid_tokens: jax.Array, *, causal: bool, plain: bool) -> jax.Array:
+    """bool[N, L]: the query sees at least one key. With padding (and causal) only, that is O(N L) from
+    valid_tokens, not a reduction of the [N, 1, L, L] mask."""
+    if not plain:
+        return jnp.any(mask, axis=-1)[:, 0]
+    if causal:  # query i sees a key iff some key j <= i is real
+        return jax.lax.cummax(valid_tokens.astype(jnp.int32), axis=1) > 0
+    return jnp.broadcast_to(jnp.any(valid_tokens, axis=-1, keepdims=True), valid_tokens.shape)
