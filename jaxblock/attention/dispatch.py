@@ -6,8 +6,7 @@ same masks, and exactly 0 for a query that sees no key. Adding a kernel is its f
 
 from __future__ import annotations
 
-import jax
-
+from jaxblock.attention.platform import target_platform
 from jaxblock.config import BlockConfig
 
 
@@ -26,7 +25,7 @@ def choose_implementation(
     kernel from 4 key blocks (L >= 4 * attn_chunk_size) on, where it measured faster than XLA's
     (1.26x at L=2048 and 1.38x at L=4096, with a third and a fifth of the memory: python -m bench --only length).
     """
-    backend = backend or jax.default_backend()
+    backend = backend or target_platform()
     dropout_on = train and config.attn_dropout > 0
     if config.attention != "auto":
         if config.attention in ("xla", "cudnn", "chunked") and dropout_on:

@@ -19,6 +19,7 @@ runs the same program, only `is_primary()` logs, and all processes save checkpoi
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
@@ -248,12 +249,24 @@ class ShardedRunner(Runner):
         rep = self.replicated
 
         def step(state: TrainState, batch: Any, rng: jax.Array) -> tuple[TrainState, Metrics]:
-            new_state, metrics = train_step(task, state, batch, rng)
+            with self.kernel_context():
+                new_state, metrics = train_step(task, state, batch, rng)
             return self._pin(new_state), jax.lax.with_sharding_constraint(metrics, rep)
 
+        def evaluate(state: TrainState, batch: Any) -> Metrics:
+            with self.kernel_context():
+                return jax.lax.with_sharding_constraint(eval_step(task, state, batch), rep)
+
         self._train = jax.jit(step, donate_argnums=0)
-        self._eval = jax.jit(
-            lambda state, batch: jax.lax.with_sharding_constraint(eval_step(task, state, batch), rep))
+        self._eval = jax.jit(evaluate)
+
+    def kernel_context(self) -> contextlib.ExitStack:
+        """Entered while the step is traced: the mesh (abstract) and the logical-axis rules, from which the
+        per-shard attention kernels (jaxblock/attention/platform.py `mesh_layout`) read their layout."""
+        stack = contextlib.ExitStack()
+        stack.enter_context(jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh))
+        stack.enter_context(nn.logical_axis_rules(self.rules))
+        return stack
 
     def shardings_like(self, state: TrainState) -> TrainState:
         """This layout's shardings in the tree structure of `state` (any state of the config's shape)."""
