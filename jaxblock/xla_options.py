@@ -42,13 +42,19 @@ YNN_FUSION = "xla_cpu_experimental_ynn_fusion_type"  # which HLO ops XNNPACK's Y
 _YNN_LISTS = frozenset({"", "dot", "dot,eltwise", "dot,reduce", "dot,eltwise,reduce", "+eltwise", "+reduce",
                         "+eltwise,+reduce"})
 
-# CPU kind -> XLA options, from measurements (docs/performance-cpu.md). Intel AVX-512 (Emerald Rapids): greedy
-# XNNPACK graph fusion measured -20..-24% on the training step in one run each. AMD AVX-512 (EPYC, jaxlib
-# 0.10.2): no option beat XLA's defaults; YNN fusion of elementwise ops and reductions was 5-15% slower and the
-# graph-fusion mode compiled to the very same program. Kinds without a measurement keep XLA's defaults.
-# `python -m bench --only options` times the candidates on a new machine (bench/options.py XLA_CANDIDATES).
+# CPU kind -> XLA options, from measurements (docs/performance-cpu.md). Both measured kinds keep XLA's defaults:
+# - Intel AVX-512 (Xeon, Emerald Rapids, 2 cores, jaxlib 0.10.2; measured 2026-12-02 on a quiet machine, Pre-LN
+#   training step, speedup over XLA's defaults at N16 L128 D256 / N8 L256 D512): greedy XNNPACK graph fusion
+#   1.010x / 0.935x (python -m bench.tune_xla; 1.02x in the options section); YNN off 0.935x / 0.966x; YNN on
+#   dots, elementwise ops and reductions 0.895x / 0.892x; oneDNN (use_onednn, its custom call, its DOT and
+#   DOT,ELTWISE fusions) 0.857-1.068x / 0.953-0.995x; XNNPACK off 1.057x / 1.015x. None was 1.03x faster at
+#   both shapes. (The greedy row it replaces came from one earlier noisy run.)
+# - AMD AVX-512 (EPYC, jaxlib 0.10.2): no option beat XLA's defaults; YNN fusion of elementwise ops and
+#   reductions was 5-15% slower and the graph-fusion mode compiled to the very same program.
+# Kinds without a measurement keep XLA's defaults too. `python -m bench.tune_xla` measures the candidates on
+# the machine itself and keeps a winner for it, which beats this table (bench/options.py XLA_CANDIDATES).
 OPTIONS: dict[str, dict[str, str]] = {
-    "intel-avx512": {GRAPH_FUSION: GREEDY},
+    "intel-avx512": {},  # measured: XLA's defaults
     "amd-avx512": {},  # measured: XLA's defaults
 }
 
