@@ -32,13 +32,14 @@ class EncoderBlock(nn.Module):
     """(x [N, L, D], valid_tokens bool[N, L]) -> [N, L, D]. `train=True` turns dropout on."""
 
     config: BlockConfig
+    window_choices: tuple[int, ...] = ()  # the stack's per-layer windows (SelfAttention.window_choices)
 
     def setup(self) -> None:
         cfg = self.config
         # Distinct instances; named for their branch because `norm1`/`norm2` name the recorded outputs.
         self.attn_norm = make_norm(cfg)
         if cfg.ablate != "attention":
-            self.self_attn = SelfAttention(cfg)
+            self.self_attn = SelfAttention(cfg, window_choices=self.window_choices)
         self.ffn_norm = make_norm(cfg)
         if cfg.ablate != "ffn":
             self.ffn = FeedForward(cfg)

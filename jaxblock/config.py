@@ -75,11 +75,13 @@ class BlockConfig(_Frozen):
     rope: bool = Field(False, description="Rotary positions on q/k (set by EncoderConfig.positions='rope').")
     rope_base: float = Field(10000.0, gt=1.0)
     rope_scaling: RopeScaling | None = Field(None, description="None: unscaled rotary frequencies.")
-    attention: Literal["auto", "xla", "cudnn", "unfused", "chunked", "dense"] = Field(
+    attention: Literal["auto", "xla", "cudnn", "unfused", "chunked", "dense", "splash", "pallas_gpu"] = Field(
         "auto",
-        description="Kernel: 'auto' picks cuDNN on NVIDIA GPUs when mask and dtype allow; on a CPU the dense "
-        "kernel (hand-written backward, dropout included), or chunked from 4 key blocks on; XLA otherwise, "
-        "and the unfused path whenever attention-weight dropout is active off the CPU.",
+        description="Kernel: 'auto' picks, for the platform the program is lowered for: on a TPU splash attention "
+        "(Pallas); on an NVIDIA GPU cuDNN when mask and dtype allow, JAX's Pallas GPU kernel for packed rows, "
+        "XLA otherwise; on a CPU the dense kernel (hand-written backward, dropout included), or chunked from 4 "
+        "key blocks on; the unfused path whenever attention-weight dropout is active off the CPU. 'splash' and "
+        "'pallas_gpu' off their platform run in Pallas interpret mode (checks only: slow).",
     )
     attn_chunk_size: int = Field(
         512, gt=0, description="Key-block size of the 'chunked' memory-efficient attention."
@@ -205,6 +207,12 @@ class StackConfig(_Frozen):
         if self.layer_attn_norm is not None and not all(self.layer_attn_norm):
             out["attn_norm"] = self.layer_attn_norm
         return out
+
+    @property
+    def window_choices(self) -> tuple[int, ...]:
+        """The distinct per-layer windows (-1 = none), sorted: the static masks a kernel needs when a scanned
+        stack hands each layer its window as a traced value."""
+        return tuple(sorted(set(self.per_layer.get("window", ()))))
 
 
 class EncoderConfig(StackConfig):

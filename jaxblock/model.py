@@ -85,11 +85,11 @@ class EncoderStack(nn.Module):
                 length=cfg.num_layers,
                 metadata_params={nn.PARTITION_NAME: "layers"},
             )
-            x, _ = scanned(cfg.block, train=train, scanned=True, name="layers")(x, *args, per_layer)
+            x, _ = scanned(cfg.block, cfg.window_choices, train=train, scanned=True, name="layers")(x, *args, per_layer)
         else:
             for i in range(cfg.num_layers):
                 row = None if per_layer is None else {k: v[i] for k, v in per_layer.items()}
-                x = layer(cfg.block, train=train, name=f"layers_{i}")(x, *args, row)
+                x = layer(cfg.block, cfg.window_choices, train=train, name=f"layers_{i}")(x, *args, row)
         if cfg.has_final_norm:
             x = make_norm(cfg.block, "final_norm")(x)
         return x

@@ -23,8 +23,11 @@ import jax.numpy as jnp
 
 from jaxblock import masks
 from jaxblock.attention.chunked import chunked_attention
+from jaxblock.attention.context import context_attention
 from jaxblock.attention.dense import dense_attention
 from jaxblock.attention.dispatch import choose_implementation
+from jaxblock.attention.gpu import pallas_gpu_attention
+from jaxblock.attention.splash import splash_attention
 from jaxblock.attention.xla import fused_attention
 from jaxblock.config import BlockConfig
 from jaxblock.cpu_weight_gradient import project
@@ -38,6 +41,9 @@ class SelfAttention(nn.Module):
     """Multi-head self-attention. Call: (x [N, L, D], valid_tokens bool[N, L]) -> [N, L, D]."""
 
     config: BlockConfig
+    # The stack's distinct per-layer windows (StackConfig.window_choices): kernels that need a static window
+    # (splash) pick among them when the window arrives traced (a scanned stack).
+    window_choices: tuple[int, ...] = ()
 
     def setup(self) -> None:
         cfg = self.config
@@ -104,8 +110,23 @@ class SelfAttention(nn.Module):
             k = apply_rope(k, positions, base, inv)
 
         extra = attn_mask is not None or segment_ids is not None or window is not None
-        impl, _ = choose_implementation(cfg, train=train, extra_mask=extra, length=length)
-        if impl == "chunked":
+        impl, _ = choose_implementation(
+            cfg, train=train, segments=segment_ids is not None, window=window is not None,
+            attn_mask=attn_mask is not None, length=length,
+        )
+        if impl == "context":
+            ctx = context_attention(
+                q, k, v, valid_tokens, causal=cfg.causal, attn_mask=attn_mask,
+                segment_ids=segment_ids, chunk_size=cfg.attn_chunk_size, window=window,
+            )
+        elif impl == "splash":
+            ctx = splash_attention(
+                q, k, v, valid_tokens, causal=cfg.causal, segment_ids=segment_ids, window=window,
+                window_choices=self.window_choices,
+            )
+        elif impl == "pallas_gpu":
+            ctx = pallas_gpu_attention(q, k, v, valid_tokens, causal=cfg.causal, segment_ids=segment_ids)
+        elif impl == "chunked":
             ctx = chunked_attention(
                 q, k, v, valid_tokens, causal=cfg.causal, attn_mask=attn_mask,
                 segment_ids=segment_ids, chunk_size=cfg.attn_chunk_size, window=window,

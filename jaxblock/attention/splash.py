@@ -1,0 +1,169 @@
+"""Splash attention (JAX's Pallas TPU kernel) with the package's masks and its no-key rule.
+
+The kernel (`jax.experimental.pallas.ops.tpu.splash_attention`) takes a static mask (full, causal, local
+window, one per query head) and per-token segment ids, and skips key blocks the static mask rules out.
+Every mask the model makes maps onto it:
+
+- padding and packing become segment ids: a query keeps its segment s (2s), a real key its segment (2s),
+  a padded key the odd id 1 that no real query holds, so padded keys are never seen and padded queries
+  see the real keys of their segment, exactly as the dense mask says;
+- causal is `CausalMask`, a per-layer window `LocalMask((w, w))` (causal and window: `LocalMask((w, 0))`);
+  a traced per-layer window (a scanned stack) picks among the stack's static windows with `lax.switch`;
+- GQA runs the MQA form of the kernel once per key/value head, over its R query heads;
+- L is padded to a multiple of the block (128 at least, the TPU lane width); the padding is keys no query
+  sees and queries that are cut off after the call.
+
+A query that sees no key (a padded row, or a padded query outside every window) would get splash's
+undefined softmax. Such a query is given the odd id too, so it sees the padded key at its own position
+(inside every window and causal mask) whose value is 0, and its output is then set to exactly 0: finite
+values and gradients, the same zeros as every other kernel.
+
+Under an ambient mesh (`platform.mesh_layout`) the kernel runs inside `jax.shard_map`: rows split over
+the batch axes, heads over the tensor axes when they divide both H and G (else heads stay whole).
+Off a TPU the kernel runs only in Pallas interpret mode (tests, parity checks): slow, but the same code.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash_kernel
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
+from jax.sharding import PartitionSpec
+
+from jaxblock import masks
+from jaxblock.attention.platform import mesh_layout, target_platform
+
+LANES = 128  # TPU lane width: splash's block sizes are multiples of it
+_BLOCKS = (512, 256, 128)
+
+
+def padded_length(length: int) -> int:
+    """L rounded up to a multiple of the TPU lane width (the kernel's smallest block)."""
+    return -(-length // LANES) * LANES
+
+
+def block_size(length: int) -> int:
+    """The largest of 512, 256, 128 that divides the padded length (MaxText's and Levanter's default 512)."""
+    lp = padded_length(length)
+    return next(b for b in _BLOCKS if lp % b == 0)
+
+
+def splash_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    valid_tokens: jax.Array,
+    *,
+    causal: bool,
+    segment_ids: jax.Array | None = None,
+    window: jax.Array | int | None = None,
+    window_choices: tuple[int, ...] = (),
+    interpret: bool | None = None,
+) -> jax.Array:
+    """ctx [N, L, H, K] from q [N, L, H, K], k, v [N, L, G, K] (v already 0 at padded keys).
+
+    window: keys at most this far on either side (-1 or None: all), a Python int or a traced scalar that
+    is one of `window_choices`. interpret: Pallas interpret mode; None means 'unless the target is a TPU'."""
+    interpret = target_platform() != "tpu" if interpret is None else interpret
+    n, length, h, kdim = q.shape
+    g = k.shape[2]
+    seg = jnp.zeros((n, length), jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
+    mask = masks.attention_mask(valid_tokens, causal=causal, segment_ids=segment_ids,
+                                window=None if window is None else jnp.asarray(window, jnp.int32))
+    seen = jnp.any(mask[:, 0], axis=-1)  # [N, L]: fused into one reduction, never stored as [L, L]
+    q_ids = jnp.where(seen, 2 * seg, 1)
+    kv_ids = jnp.where(valid_tokens, 2 * seg, 1)
+
+    lp = padded_length(length)
+    pad = lp - length
+    q = q * jnp.asarray(1.0 / math.sqrt(kdim), q.dtype)
+    qp, kp, vp = (jnp.pad(a, ((0, 0), (0, pad), (0, 0), (0, 0))) for a in (q, k, v))
+    q_ids = jnp.pad(q_ids, ((0, 0), (0, pad)), constant_values=1)
+    kv_ids = jnp.pad(kv_ids, ((0, 0), (0, pad)), constant_values=1)
+
+    static = _static_window(window)
+    if static is not None or window is None:
+        run = _runner(lp, h // g, causal, -1 if static is None else static, bool(interpret))
+        out = _sharded(run, qp, kp, vp, q_ids, kv_ids)
+    else:
+        choices = tuple(sorted(set(window_choices)))
+        if not choices:
+            raise ValueError("a traced attention window needs the stack's window_choices for splash attention")
+        branches = [
+            functools.partial(_sharded, _runner(lp, h // g, causal, w, bool(interpret))) for w in choices
+        ]
+        index = jnp.searchsorted(jnp.asarray(choices, jnp.int32), jnp.asarray(window, jnp.int32))
+        out = jax.lax.switch(jnp.clip(index, 0, len(choices) - 1), branches, qp, kp, vp, q_ids, kv_ids)
+    out = out[:, :length]
+    return jnp.where(seen[:, :, None, None], out, jnp.zeros((), out.dtype))
+
+
+def _static_window(window: jax.Array | int | None) -> int | None:
+    if window is None:
+        return None
+    try:
+        return int(window)
+    except (TypeError, jax.errors.ConcretizationTypeError, jax.errors.TracerIntegerConversionError):
+        return None
+
+
+@functools.lru_cache(maxsize=64)
+def _runner(lp: int, r: int, causal: bool, window: int, interpret: bool) -> Callable[..., jax.Array]:
+    """A function (q [n, Lp, H, K], k, v [n, Lp, G, K], q_ids, kv_ids [n, Lp]) -> [n, Lp, H, K] for one shard."""
+    shape = (lp, lp)
+    if window >= 0:
+        head_mask: splash_mask.Mask = splash_mask.LocalMask(shape, (window, 0 if causal else window), offset=0)
+    elif causal:
+        head_mask = splash_mask.CausalMask(shape)
+    else:
+        head_mask = splash_mask.FullMask(shape)
+    block = block_size(lp)
+    sizes = splash_kernel.BlockSizes(
+        block_q=block, block_kv=block, block_kv_compute=block,
+        block_q_dkv=block, block_kv_dkv=block, block_kv_dkv_compute=block,
+        block_q_dq=block, block_kv_dq=block,
+    )
+
+    def run(q: jax.Array, k: jax.Array, v: jax.Array, q_ids: jax.Array, kv_ids: jax.Array) -> jax.Array:
+        # Built where it is traced: the mask tables become constants of this shard's program.
+        kernel = splash_kernel.make_splash_mqa_single_device(
+            mask=splash_mask.MultiHeadMask([head_mask] * r), block_sizes=sizes, interpret=interpret,
+        )
+        n, _, h, kdim = q.shape
+        g = k.shape[2]
+        qg = q.reshape(n, lp, g, r, kdim).transpose(0, 2, 3, 1, 4)  # [n, G, R, Lp, K]
+        kg = k.transpose(0, 2, 1, 3)  # [n, G, Lp, K]
+        vg = v.transpose(0, 2, 1, 3)
+
+        def one(qh: jax.Array, kh: jax.Array, vh: jax.Array, qi: jax.Array, ki: jax.Array) -> jax.Array:
+            return kernel(qh, kh, vh, segment_ids=splash_kernel.SegmentIds(q=qi, kv=ki))
+
+        per_head = jax.vmap(one, in_axes=(0, 0, 0, None, None))  # over G
+        out = jax.vmap(per_head)(qg, kg, vg, q_ids, kv_ids)  # [n, G, R, Lp, K]
+        return out.transpose(0, 3, 1, 2, 4).reshape(n, lp, h, kdim)
+
+    return run
+
+
+def _sharded(run: Callable[..., jax.Array], q: jax.Array, k: jax.Array, v: jax.Array,
+             q_ids: jax.Array, kv_ids: jax.Array) -> jax.Array:
+    """`run` on each shard of the ambient mesh (rows over batch axes, heads over tensor axes), or whole."""
+    layout = mesh_layout()
+    if layout is None:
+        return run(q, k, v, q_ids, kv_ids)
+    n, _, h, _ = q.shape
+    g = k.shape[2]
+    batch = layout.batch if n % layout.size(layout.batch) == 0 else ()
+    heads = layout.heads if h % layout.size(layout.heads) == 0 and g % layout.size(layout.heads) == 0 else ()
+    if not batch and not heads:
+        return run(q, k, v, q_ids, kv_ids)
+    b, t = layout.entry(batch), layout.entry(heads)
+    qs, rows = PartitionSpec(b, None, t, None), PartitionSpec(b, None)
+    return jax.shard_map(
+        run, mesh=layout.mesh, in_specs=(qs, qs, qs, rows, rows), out_specs=qs, check_vma=False,
+    )(q, k, v, q_ids, kv_ids)
