@@ -168,3 +168,11 @@ def sees_a_key(mask: jax.Array, valid_tokens: jax.Array, *, causal: bool, plain:
     if causal:  # query i sees a key iff some key j <= i is real
         return jax.lax.cummax(valid_tokens.astype(jnp.int32), axis=1) > 0
     return jnp.broadcast_to(jnp.any(valid_tokens, axis=-1, keepdims=True), valid_tokens.shape)
+
+
+def static_int(value: Any) -> int | None:
+    """The value as a Python int when it is known while tracing (a constant), None when it is traced."""
+    try:
+        return int(value)
+    except (TypeError, jax.errors.ConcretizationTypeError, jax.errors.TracerIntegerConversionError):
+        return None

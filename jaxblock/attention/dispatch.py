@@ -10,7 +10,7 @@ from typing import NamedTuple
 
 from jaxblock.attention.context import context_rule
 from jaxblock.attention.platform import platform_name, target_platform
-from jaxblock.config import BlockConfig
+from jaxblock.config import BlockConfig, StackConfig
 
 # What each kernel leaves in a lowered program, so a lowering check can find it (train/lower.py): a
 # substring of the StableHLO text, or None for kernels that are plain XLA operations.
@@ -79,6 +79,22 @@ def choose_implementation(
             "memory linear in L, no [L, L] scores"
         )
     return "dense", f"{why}; on a CPU the dense kernel (hand-written backward) beats XLA's"
+
+
+def layer_kernels(
+    config: StackConfig, *, train: bool, length: int, segments: bool = False, attn_mask: bool = False,
+    backend: str | None = None,
+) -> list[tuple[str, str]]:
+    """(implementation, reason) for each of the stack's B layers, as SelfAttention will choose them for
+    a call of length L. Unscanned, a global layer among windowed ones has no window; scanned, every layer
+    gets its window as a traced value, so all count as windowed."""
+    windows = config.per_layer.get("window")
+    return [
+        choose_implementation(config.block, train=train, backend=backend, segments=segments,
+                              window=windows is not None and (config.scan_layers or windows[i] >= 0),
+                              attn_mask=attn_mask, length=length)
+        for i in range(config.num_layers)
+    ]
 
 
 class _MaskKinds(NamedTuple):

@@ -109,6 +109,9 @@ class SelfAttention(nn.Module):
             q = apply_rope(q, positions, base, inv)
             k = apply_rope(k, positions, base, inv)
 
+        known = None if window is None else masks.static_int(window)
+        if known is not None and known < 0:
+            window = None  # a global layer of a stack with windows (unscanned: its window is known here)
         extra = attn_mask is not None or segment_ids is not None or window is not None
         impl, _ = choose_implementation(
             cfg, train=train, segments=segment_ids is not None, window=window is not None,

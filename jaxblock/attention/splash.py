@@ -86,7 +86,7 @@ def splash_attention(
     q_ids = jnp.pad(q_ids, ((0, 0), (0, pad)), constant_values=1)
     kv_ids = jnp.pad(kv_ids, ((0, 0), (0, pad)), constant_values=1)
 
-    static = _static_window(window)
+    static = None if window is None else masks.static_int(window)
     if static is not None or window is None:
         run = _runner(lp, h // g, causal, -1 if static is None else static, bool(interpret))
         out = _sharded(run, qp, kp, vp, q_ids, kv_ids)
@@ -101,15 +101,6 @@ def splash_attention(
         out = jax.lax.switch(jnp.clip(index, 0, len(choices) - 1), branches, qp, kp, vp, q_ids, kv_ids)
     out = out[:, :length]
     return jnp.where(seen[:, :, None, None], out, jnp.zeros((), out.dtype))
-
-
-def _static_window(window: jax.Array | int | None) -> int | None:
-    if window is None:
-        return None
-    try:
-        return int(window)
-    except (TypeError, jax.errors.ConcretizationTypeError, jax.errors.TracerIntegerConversionError):
-        return None
 
 
 @functools.lru_cache(maxsize=64)
