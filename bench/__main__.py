@@ -39,6 +39,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None, help="threads for PyTorch and XLA (default: all cores)")
     p.add_argument("--json", type=Path, default=Path("runs/bench/results.json"), help="where to write records")
     p.add_argument("--gpu", action="store_true", help="require a GPU backend; bf16 compute and the GPU shapes")
+    p.add_argument("--tpu", action="store_true", help="require a TPU backend; bf16 and the --gpu shapes")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                    help="compute dtype (default float32 on CPU, bfloat16 with --gpu); params stay float32")
     p.add_argument("--peak-tflops", type=float, default=None,
@@ -92,7 +93,9 @@ def main(argv: list[str] | None = None) -> int:
     backend = jax.default_backend()
     if args.gpu and backend != "gpu":
         return _usage_error(f"--gpu but JAX's backend is {backend}: install jax[cuda12] on the GPU machine")
-    gpu = backend == "gpu"
+    if args.tpu and backend != "tpu":
+        return _usage_error(f"--tpu but JAX's backend is {backend}: install jax[tpu] on the TPU VM")
+    gpu = backend in ("gpu", "tpu")  # an accelerator: bf16, the accelerator shapes, PyTorch only on CUDA
     device = torch_device(gpu)
     if device == "cpu":
         import torch

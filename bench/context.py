@@ -38,7 +38,8 @@ class Context:
 
     @property
     def gpu(self) -> bool:
-        return self.backend == "gpu"
+        """An accelerator run (GPU or TPU): bf16 and the accelerator shapes."""
+        return self.backend in ("gpu", "tpu")
 
     @property
     def shapes(self) -> tuple[Shape, ...]:
