@@ -268,6 +268,45 @@ def test_choose_implementation_states_its_reason():
     assert impl == "xla" and "cuDNN requested" in why
 
 
+def test_accelerator_rules_pick_by_target_platform_with_reasons():
+    from jaxblock.attention.dispatch import layer_kernels
+    from jaxblock.attention.platform import for_platform, platform_name
+    from jaxblock.config import StackConfig
+
+    cfg, bf16 = _cfg(), _cfg(dtype="bfloat16", num_heads=1)
+    impl, why = choose_implementation(cfg, train=False, backend="tpu", segments=True, window=True)
+    assert impl == "splash" and "segment ids" in why
+    impl, why = choose_implementation(cfg, train=False, backend="tpu", attn_mask=True)
+    assert impl == "xla" and "attn_mask" in why
+    impl, why = choose_implementation(_cfg(attn_dropout=0.1), train=True, backend="tpu")
+    assert impl == "unfused" and "attn_dropout=0" in why  # the reason names the fix
+    assert choose_implementation(_cfg(attn_dropout=0.1), train=False, backend="tpu")[0] == "splash"
+    # GPU: cuDNN for plain masks in half precision, the Pallas kernel for packed rows, XLA for windows.
+    assert choose_implementation(bf16, train=False, backend="cuda")[0] == "cudnn"
+    impl, why = choose_implementation(bf16, train=False, backend="gpu", segments=True)
+    assert impl == "pallas_gpu" and "segment ids" in why
+    assert choose_implementation(cfg, train=False, backend="gpu", segments=True)[0] == "pallas_gpu"
+    assert choose_implementation(bf16, train=False, backend="gpu", segments=True, window=True)[0] == "xla"
+    # Requested off their platform: interpret mode, said so; a mask they cannot take: XLA, said so.
+    impl, why = choose_implementation(_cfg(attention="splash"), train=False, backend="cpu")
+    assert impl == "splash" and "interpret" in why
+    impl, why = choose_implementation(_cfg(attention="pallas_gpu"), train=False, backend="gpu", window=True)
+    assert impl == "xla" and "window" in why
+    # The platform being lowered for decides, not the backend tracing: a CPU host tracing for a TPU.
+    with for_platform("tpu"):
+        assert choose_implementation(cfg, train=False)[0] == "splash"
+    assert choose_implementation(cfg, train=False)[0] == "dense"
+    with pytest.raises(ValueError, match="unknown platform 'rocmx'"):
+        platform_name("rocmx")
+    # Per layer: a global layer among windowed ones has no window unless the stack is scanned.
+    stack = StackConfig(num_layers=2, layer_windows=(None, 4), block=dict(model_dim=D, num_heads=2, ffn_dim=16))
+    assert [k for k, _ in layer_kernels(stack, train=False, length=8, segments=True, backend="gpu")] == [
+        "pallas_gpu", "xla"]
+    scanned = stack.model_copy(update={"scan_layers": True})
+    assert [k for k, _ in layer_kernels(scanned, train=False, length=8, segments=True, backend="gpu")] == [
+        "xla", "xla"]
+
+
 def test_bad_masks_are_clear_errors_at_trace_time():
     cfg = _cfg()
     params = {"params": _params(cfg)}
