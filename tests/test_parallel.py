@@ -158,7 +158,7 @@ def test_fsdp_shards_params_and_optimizer_state_as_the_rules_say() -> None:
     got = run("fsdp8", "adamw")
     runner, state = got["runner"], got["state"]
     mesh = runner.mesh
-    assert dict(mesh.shape) == {"data": 1, "fsdp": 8, "tensor": 1}
+    assert dict(mesh.shape) == {"data": 1, "fsdp": 8, "context": 1, "tensor": 1}
     params = state.params
     # embed -> fsdp, vocab/heads/mlp -> tensor (size 1), head_dim -> replicated.
     expect = {
@@ -255,7 +255,7 @@ def test_eval_pads_rows_that_do_not_split_and_counts_only_real_ones() -> None:
 def test_layout_errors_are_one_line_and_name_the_fix() -> None:
     with pytest.raises(ConfigError, match="needs 6 devices but 8 are present"):
         mesh_shape(make_config({"mesh": {"data": 3, "tensor": 2}}).parallel, 8)
-    assert mesh_shape(make_config({"mesh": {"fsdp": 4}}).parallel, 8) == (2, 4, 1)
+    assert mesh_shape(make_config({"mesh": {"fsdp": 4}}).parallel, 8) == (2, 4, 1, 1)  # data, fsdp, context, tensor
     bad_batch = make_config({"mesh": {"data": 8}}).model_copy(
         update={"train": make_config({}).train.model_copy(update={"batch_size": 12})}
     )

@@ -154,10 +154,11 @@ class CheckpointConfig(_Section):
     async_save: bool = Field(True, description="Write checkpoints in the background (Orbax async).")
 
 
-MESH_AXES = ("data", "fsdp", "tensor")
+# Outermost first: tensor varies fastest over the devices (the closest ones), context next.
+MESH_AXES = ("data", "fsdp", "context", "tensor")
 DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
-    ("batch", ("data", "fsdp")), ("vocab", "tensor"), ("embed", "fsdp"), ("heads", "tensor"),
-    ("kv_heads", "tensor"), ("mlp", "tensor"), ("head_dim", None), ("layers", None),
+    ("batch", ("data", "fsdp")), ("length", "context"), ("vocab", "tensor"), ("embed", "fsdp"),
+    ("heads", "tensor"), ("kv_heads", "tensor"), ("mlp", "tensor"), ("head_dim", None), ("layers", None),
 )
 
 
@@ -167,10 +168,12 @@ class MeshConfig(_Section):
     data: int = Field(-1, description="Data parallel: the batch is split, parameters are replicated.")
     fsdp: int = Field(1, description="Fully sharded data parallel: the batch and params/optimizer state split.")
     tensor: int = Field(1, description="Tensor parallel: heads, kv_heads, FFN width (and vocab) split.")
+    context: int = Field(1, description="Context parallel: each example's sequence split (activations [N, L, D] "
+                         "along L); attention gets every key by parallel.context_strategy.")
 
     @model_validator(mode="after")
     def _check(self) -> MeshConfig:
-        sizes = [self.data, self.fsdp, self.tensor]
+        sizes = [self.data, self.fsdp, self.context, self.tensor]
         if any(s == 0 or s < -1 for s in sizes) or sizes.count(-1) > 1:
             raise ValueError(f"mesh sizes {sizes} must be positive, with at most one -1 (the remaining devices)")
         return self
@@ -187,12 +190,17 @@ class ParallelConfig(_Section):
 
     strategy: Literal["single", "pmap", "sharded"] = Field(
         "sharded",
-        description="sharded: jax.jit with NamedSharding over the (data, fsdp, tensor) mesh (default); "
+        description="sharded: jax.jit with NamedSharding over the (data, fsdp, context, tensor) mesh (default); "
         "pmap: replicated data parallel over every device; single: one device.",
     )
     mesh: MeshConfig = Field(
         default_factory=lambda: MeshConfig(),
         description="sharded only. Per-device batch = train.batch_size / (data x fsdp); pmap: / device count.",
+    )
+    context_strategy: Literal["all_gather", "ring"] = Field(
+        "all_gather", description="With parallel.mesh.context > 1, how attention sees the whole sequence's keys: "
+        "all_gather (K/V gathered on every device, one collective, O(L) K/V memory per device) or ring (K/V "
+        "blocks passed around the context devices, O(L / context) memory). docs/scale-out.md.",
     )
     rules: list[tuple[str, str | tuple[str, ...] | None]] = Field(
         default_factory=lambda: list(DEFAULT_RULES),
@@ -216,7 +224,12 @@ class ParallelConfig(_Section):
             axes = mesh_axes if isinstance(mesh_axes, tuple) else (mesh_axes,)
             unknown = [a for a in axes if a is not None and a not in MESH_AXES]
             if unknown:
-                raise ValueError(f"rule for '{logical}' names unknown mesh axes {unknown}: use data, fsdp, tensor")
+                raise ValueError(f"rule for '{logical}' names unknown mesh axes {unknown}: use {', '.join(MESH_AXES)}")
+        length_axes = dict(self.rules).get("length")
+        named = length_axes if isinstance(length_axes, tuple) else (length_axes,)
+        if self.mesh.context != 1 and "context" not in named:
+            raise ValueError(f"parallel.mesh.context={self.mesh.context} but parallel.rules maps 'length' to "
+                             f"{length_axes}: add the rule [length, context] (the default rules have it)")
         explicit = (self.coordinator, self.num_processes, self.process_id)
         if any(v is not None for v in explicit) and any(v is None for v in explicit):
             raise ValueError(

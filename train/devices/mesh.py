@@ -1,6 +1,6 @@
 """The device mesh and where each parameter lives on it (used by train/devices/runners.py's sharded runner).
 
-Mesh axes (data, fsdp, tensor); parameters carry logical axis names (e.g. 'embed', 'mlp', 'heads') from
+Mesh axes (data, fsdp, context, tensor); parameters carry logical axis names (e.g. 'embed', 'mlp', 'heads') from
 their Flax init, mapped to mesh axes by `parallel.rules`; optimizer state follows its parameters.
 """
 
@@ -11,16 +11,15 @@ from typing import Any, cast
 
 import flax.linen as nn
 import jax
-import optax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from train.config import MESH_AXES, ConfigError, ParallelConfig
 from train.loop.state import TrainState
 
 
-def mesh_shape(cfg: ParallelConfig, device_count: int) -> tuple[int, int, int]:
-    """(data, fsdp, tensor) with -1 resolved; the product must be the device count."""
-    sizes = [cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor]
+def mesh_shape(cfg: ParallelConfig, device_count: int) -> tuple[int, ...]:
+    """The sizes of MESH_AXES (data, fsdp, context, tensor) with -1 resolved; the product must be the device count."""
+    sizes = [getattr(cfg.mesh, axis) for axis in MESH_AXES]
     fixed = math.prod(s for s in sizes if s != -1)
     if -1 in sizes:
         if device_count % fixed:
@@ -34,13 +33,13 @@ def mesh_shape(cfg: ParallelConfig, device_count: int) -> tuple[int, int, int]:
             f"parallel.mesh {dict(zip(MESH_AXES, sizes, strict=True))} needs {math.prod(sizes)} devices but "
             f"{device_count} are present: make the product equal the device count or set one axis to -1"
         )
-    return sizes[0], sizes[1], sizes[2]
+    return tuple(sizes)
 
 
 def make_mesh(cfg: ParallelConfig, devices: list[Any] | None = None) -> Mesh:
     devices = devices or jax.devices()
     shape = mesh_shape(cfg, len(devices))
-    return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * 3, devices=devices)
+    return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices)
 
 
 def logical_rules(cfg: ParallelConfig) -> tuple[tuple[str, Any], ...]:
@@ -71,13 +70,24 @@ def param_shardings(specs: Any, params: Any, mesh: Mesh, rules: Any) -> tuple[An
 
 def state_shardings(state: TrainState, params_sh: Any, mesh: Mesh) -> TrainState:
     """Shardings for a whole TrainState: optimizer leaves that mirror a parameter (Adam moments,
-    accumulated gradients) take that parameter's sharding; counters are replicated."""
+    accumulated gradients) take that parameter's sharding; counters are replicated.
+
+    A mirror is found by its path, which ends with its parameter's path (`...mu['encoder']['embedding']`),
+    and its shape. (optax.tree_map_params cannot do it with optim.freeze: it initializes the optimizer on a
+    placeholder, which the freeze labels cannot name, and frozen parameters have no moments.)"""
     replicated = NamedSharding(mesh, PartitionSpec())
-    opt_sh = optax.tree_map_params(
-        state.tx, lambda _, sh: sh, state.opt_state, params_sh,
-        transform_non_params=lambda _: replicated,
-        is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct),
+    flat_sh = jax.tree.leaves(params_sh, is_leaf=lambda x: isinstance(x, NamedSharding))
+    by_path = sorted(
+        ((jax.tree_util.keystr(path), tuple(leaf.shape), sh)
+         for (path, leaf), sh in zip(jax.tree_util.tree_flatten_with_path(state.params)[0], flat_sh, strict=True)),
+        key=lambda entry: -len(entry[0]),
     )
+
+    def mirror(path: Any, leaf: Any) -> NamedSharding:
+        key, shape = jax.tree_util.keystr(path), tuple(getattr(leaf, "shape", ()))
+        return next((sh for name, s, sh in by_path if shape == s and key.endswith(name)), replicated)
+
+    opt_sh = jax.tree_util.tree_map_with_path(mirror, state.opt_state)
     return state.replace(step=replicated, params=params_sh, opt_state=opt_sh)
 
 

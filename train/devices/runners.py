@@ -4,10 +4,12 @@
 - single:  jax.jit(train_step, donate_argnums=0) on one device.
 - pmap:    jax.pmap over every device: replicated state, one batch shard per device, the gradient
            reduced inside the step (`train.loop.step.loss_and_grads`), a dropout key per device.
-- sharded: jax.jit with NamedSharding over a Mesh with axes (data, fsdp, tensor). Parameters are
+- sharded: jax.jit with NamedSharding over a Mesh with axes (data, fsdp, context, tensor). Parameters are
            placed by their logical axis names through `parallel.rules` (the logical specs come from the
            run's one abstract init, train/loop/state.py `abstract_init`); optimizer state follows its
-           parameters; the batch is split over (data, fsdp). XLA inserts the collectives.
+           parameters; the batch is split over (data, fsdp) and its [N, L] arrays along L over context
+           (padded to a multiple of it). XLA inserts the collectives; the context-parallel attention
+           (jaxblock/attention/context.py) brings its own.
 
 Batches arrive as host numpy dicts holding this process's contiguous share of the global batch
 (`Runner.data_share()` says which share); the runner assembles the global array. `train.batch_size`
@@ -32,6 +34,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
+from jaxblock.attention.context import context_strategy
 from train.config import Config, ConfigError, ParallelConfig
 from train.devices.mesh import logical_rules, make_mesh, mesh_shape, param_shardings, state_shardings
 from train.loop.state import TrainState
@@ -219,15 +222,23 @@ class PmapRunner(Runner):
 class ShardedRunner(Runner):
     strategy = "sharded"
 
-    def __init__(self, config: Config, state: TrainState, task: Task = CLASSIFICATION, specs: Any = None) -> None:
+    def __init__(self, config: Config, state: TrainState, task: Task = CLASSIFICATION, specs: Any = None,
+                 devices: list[Any] | None = None) -> None:
+        """devices: the mesh's devices (default: every device); the benchmarks compare meshes of a few."""
         cfg = config.parallel
         if specs is None:
             raise ValueError("the sharded runner needs the params' logical specs (train.loop.state.abstract_init)")
         self.pad_values = task.pad_values
-        self.mesh = make_mesh(cfg)
+        self.mesh = make_mesh(cfg, devices)
         self.rules = logical_rules(cfg)
-        batch_axes = (nn.logical_to_mesh_axes(("batch",), self.rules) or (None,))[0]
+        batch_axes, length_axes = nn.logical_to_mesh_axes(("batch", "length"), self.rules) or (None, None)
         self.batch_sharding = NamedSharding(self.mesh, PartitionSpec(batch_axes))
+        # Arrays with a token axis ([N, L, ...]) split along L too: context parallelism.
+        self.token_sharding = NamedSharding(self.mesh, PartitionSpec(batch_axes, length_axes))
+        self.context = math.prod(self.mesh.shape[a] for a in _axes_of(length_axes))
+        self.context_strategy = cfg.context_strategy
+        self._padded_lengths: set[int] = set()
+        _check_lengths(config, self.context)
         self.replicated = NamedSharding(self.mesh, PartitionSpec())
         _check_batch_size(config, self.data_parallel_size(), f"mesh axes {batch_axes}")
         self._check_share()
@@ -266,6 +277,7 @@ class ShardedRunner(Runner):
         stack = contextlib.ExitStack()
         stack.enter_context(jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh))
         stack.enter_context(nn.logical_axis_rules(self.rules))
+        stack.enter_context(context_strategy(self.context_strategy))
         return stack
 
     def shardings_like(self, state: TrainState) -> TrainState:
@@ -295,11 +307,15 @@ class ShardedRunner(Runner):
         train.data.labelled loads for it; a mesh with `tensor` spanning hosts would not."""
         held = self._local_slices()
         contiguous = held == list(range(held[0], held[0] + len(held)))
-        if not contiguous or self.data_share() != (jax.process_index(), jax.process_count()):
+        # Each process loads whole rows, so its devices must hold every context shard of them.
+        rows_by_shard = self.token_sharding.addressable_devices_indices_map((self.data_parallel_size(), self.context))
+        spans = {cast(tuple[slice, ...], idx)[1].indices(self.context)[0] for idx in rows_by_shard.values()}
+        whole_rows = len(spans) == self.context
+        if not contiguous or not whole_rows or self.data_share() != (jax.process_index(), jax.process_count()):
             raise ConfigError(
                 f"process {jax.process_index()} of {jax.process_count()} holds batch shards {held} of "
-                f"{self.data_parallel_size()}, not its own contiguous share: keep parallel.mesh.tensor within "
-                "one host and split hosts over data/fsdp"
+                f"{self.data_parallel_size()}, not its own contiguous share of whole rows: keep parallel.mesh.tensor "
+                "and parallel.mesh.context within one host and split hosts over data/fsdp"
             )
 
     def data_share(self) -> tuple[int, int]:
@@ -324,10 +340,34 @@ class ShardedRunner(Runner):
         return jax.jit(lambda: self._pin(make_state()))()
 
     def place_batch(self, batch: Batch) -> Any:
+        batch = self._pad(self._pad_length(batch))
+        shape = np.shape(batch["tokens"])
         return {
-            k: jax.make_array_from_process_local_data(self.batch_sharding, np.asarray(v))
-            for k, v in self._pad(batch).items()
+            k: jax.make_array_from_process_local_data(
+                self.token_sharding if np.shape(v)[:2] == shape else self.batch_sharding, np.asarray(v)
+            )
+            for k, v in batch.items()
         }
+
+    def _pad_length(self, batch: Batch) -> Batch:
+        """Pad the token axis of every [N, L, ...] array to a multiple of the context size: positions past the
+        end, not valid tokens (the task's fill for its targets, -1 segment ids), so masked everywhere."""
+        shape = np.shape(batch["tokens"])
+        missing = -shape[1] % self.context
+        if not missing:
+            return batch
+        if shape[1] not in self._padded_lengths and is_primary():
+            log.warning("parallel: sequences of %d tokens are padded to %d (a multiple of parallel.mesh.context=%d); "
+                        "the added positions are masked", shape[1], shape[1] + missing, self.context)
+        self._padded_lengths.add(shape[1])
+        out = {}
+        for key, value in batch.items():
+            value = np.asarray(value)
+            if value.shape[:2] == shape:
+                pad = np.full((shape[0], missing, *value.shape[2:]), self.pad_values.get(key, 0), value.dtype)
+                value = np.concatenate([value, pad], axis=1)
+            out[key] = value
+        return out
 
     def train_step(self, state: TrainState, batch: Batch, rng: jax.Array) -> tuple[TrainState, Metrics]:
         return self._train(state, self.place_batch(batch), self._place_key(rng))
@@ -351,6 +391,22 @@ def _axes_of(entry: Any) -> tuple[str, ...]:
     if entry is None:
         return ()
     return entry if isinstance(entry, tuple) else (entry,)
+
+
+def _check_lengths(config: Config, context: int) -> None:
+    """Every sequence length the run's batches may have, padded to a multiple of `context`, must stay within
+    model.max_len (the positions the model has)."""
+    if context == 1:
+        return
+    longest = config.model.max_len
+    for length in sorted({*config.data.buckets, config.data.max_len}):
+        padded = -(-length // context) * context
+        if length <= longest < padded:
+            raise ConfigError(
+                f"parallel.mesh.context={context} pads sequences of {length} tokens to {padded}, beyond "
+                f"model.max_len={longest}: use data.buckets and data.max_len that are multiples of {context}, "
+                "or a context size that divides them"
+            )
 
 
 def _check_batch_size(config: Config, parallel: int, where: str) -> None:
