@@ -6,13 +6,14 @@
     bench/gpu.sh                             # NVIDIA GPU, bf16, MFU against --peak-tflops
 
 Sections: peak, train, infer (bench/compare.py), bert (bench/bert.py: fine-tuning BERT vs transformers),
-options, packing (bench/options.py), length, width,
-depth, compile (bench/costs.py). Prints a table and writes JSON ({"meta": ..., "records": [...]}, one
-record per measurement: section, name, config, median/min/max seconds, reps, metrics) and, with every
-table, the CPU model and the XLA option set in effect (jaxblock/xla_options.py; JAXBLOCK_XLA_OPTIONS=off
-for XLA's defaults; your own XLA_FLAGS win flag by flag). Timings are
-medians of --reps calls after --warmup calls, variants interleaved. PyTorch and XLA use the same
-number of threads (--threads, default: every core this process may run on).
+options, packing (bench/options.py), length, width, depth, compile (bench/costs.py), stream
+(bench/stream.py), context (bench/context_parallel.py: context parallelism's memory per device, longest L
+and step time on 8 simulated CPU devices, in a child process). Prints a table and writes JSON
+({"meta": ..., "records": [...]}, one record per measurement: section, name, config, median/min/max
+seconds, reps, metrics) and, with every table, the CPU model and the XLA option set in effect
+(jaxblock/xla_options.py; JAXBLOCK_XLA_OPTIONS=off for XLA's defaults; your own XLA_FLAGS win flag by
+flag). Timings are medians of --reps calls after --warmup calls, variants interleaved. PyTorch and XLA
+use the same number of threads (--threads, default: every core this process may run on).
 Exit codes: 0 success, 2 bad usage (one line on stderr).
 """
 
@@ -27,7 +28,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-SECTIONS = ("peak", "train", "infer", "bert", "options", "packing", "length", "width", "depth", "compile", "stream")
+SECTIONS = ("peak", "train", "infer", "bert", "options", "packing", "length", "width", "depth", "compile", "stream",
+            "context")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -134,12 +136,12 @@ def _not_bert(directory: Path) -> str | None:
 
 
 def _sections(bert_dir: Path | None) -> dict[str, Any]:
-    from bench import bert, compare, costs, options, stream
+    from bench import bert, compare, context_parallel, costs, options, stream
 
     return {"peak": compare.peak, "train": compare.train, "infer": compare.infer,
             "bert": lambda ctx: bert.section(ctx, str(bert_dir) if bert_dir else None), "options": options.options,
             "packing": options.packing, "length": costs.length, "width": costs.width, "depth": costs.depth,
-            "compile": costs.compile_time, "stream": stream.section}
+            "compile": costs.compile_time, "stream": stream.section, "context": context_parallel.section}
 
 
 def _meta(ctx: Any, argv: list[str]) -> dict[str, Any]:
