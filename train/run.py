@@ -31,7 +31,7 @@ from train.checkpoints.store import (
     latest_step,
     read_run_config,
 )
-from train.config import Config, ConfigError, apply_overrides, config_from_dict, load_config
+from train.config import STREAMED_SOURCES, Config, ConfigError, apply_overrides, config_from_dict, load_config
 from train.data.batches import BatchSource
 from train.devices.runners import initialize_distributed, is_primary, make_runner
 from train.errors import WorkdirError
@@ -166,7 +166,8 @@ def prepare(plan: Plan) -> str | None:
     record["truncated"] = plan.dataset.truncated
     record.update(plan.record)  # the task's own entries, e.g. the baseline its main metric must beat
     session = run_metadata(plan.start_step)
-    session.update(config=f"{HISTORY_DIR}/from-step-{plan.start_step}.yaml", changed=changed)
+    session.update(config=f"{HISTORY_DIR}/from-step-{plan.start_step}.yaml", changed=changed,
+                   attention=attention_record(plan))
     record["sessions"].append(session)
     atomic_write(path, json.dumps(record, indent=2) + "\n")
     if not changed:
@@ -174,6 +175,40 @@ def prepare(plan: Plan) -> str | None:
     # No step here: the trainer may still fall back past a damaged newest checkpoint, and its own line
     # names the step it resumes from.
     return f"settings changed since the last session: {'; '.join(changed)} (earlier configs kept in {HISTORY_DIR}/)"
+
+
+def attention_record(plan: Plan) -> dict[str, Any]:
+    """What each layer's attention runs in this session: the platform, and for the train and eval calls
+    the kernel the dispatch chooses per layer with its reason (jaxblock/attention/dispatch.py
+    `layer_kernels`), chosen under the runner's mesh. A choice may depend on the length (the chunked kernel
+    on a CPU, a context axis), so each call lists groups of the lengths its batches take with the same
+    choices: {"platform": "cpu", "train": [{"lengths": [64], "layers": [{"layer": 0, "kernel": ...,
+    "reason": ...}, ...]}], "eval": [...]}."""
+    from jaxblock.attention.dispatch import layer_kernels
+    from jaxblock.attention.platform import target_platform
+
+    cfg = plan.config
+    streamed = cfg.data.source in STREAMED_SOURCES
+    context = int(getattr(plan.runner, "context", 1))
+    calls = {  # call -> (the lengths its batches take, whether its rows are packed)
+        "train": ([cfg.data.buckets[-1]], True) if cfg.data.packing or streamed else (cfg.data.buckets, False),
+        "eval": (cfg.data.buckets, streamed),
+    }
+    record: dict[str, Any] = {"platform": target_platform()}
+    kernel_context = getattr(plan.runner, "kernel_context", contextlib.nullcontext)
+    with kernel_context():
+        for call, (lengths, packed) in calls.items():
+            groups: list[dict[str, Any]] = []
+            for length in sorted(set(lengths)):
+                padded = -(-length // context) * context
+                layers = [{"layer": i, "kernel": kernel, "reason": reason} for i, (kernel, reason) in enumerate(
+                    layer_kernels(cfg.model, train=call == "train", length=padded, segments=packed))]
+                if groups and groups[-1]["layers"] == layers:
+                    groups[-1]["lengths"].append(padded)
+                else:
+                    groups.append({"lengths": [padded], "layers": layers})
+            record[call] = groups
+    return record
 
 
 def train(config: Config, workdir: Path, *, batches: Callable[[BatchSource], BatchSource] | None = None,
