@@ -316,6 +316,58 @@ def memory_records(quick: bool, reps: int, warmup: int, log: Any = print) -> lis
             log(f"context {strategy} C={c}: step at L={timing_length} {rec.median * 1e3:.1f} ms, "
                 f"{rec.metrics['ratio']:.2f}x one device")
             records.append(rec)
+    if not quick:
+        records += ring_backward_records(2048, 4, reps, max(warmup, 2), log)
+    return records
+
+
+def _autodiff_ring(qg: Any, kl: Any, vl: Any, m: Any, st: Any) -> Any:
+    """The ring's forward left to JAX's autodiff (ppermute transposes to the reverse hop): what the
+    hand-written backward is measured against."""
+    from jaxblock.attention import context
+
+    return context._ring_fwd(qg, kl, vl, m, st)[0]
+
+
+def ring_backward_records(length: int, context_size: int, reps: int, warmup: int, log: Any = print) -> list[Any]:
+    """The ring's hand-written backward against autodiff of its forward: per-device temporaries of the train
+    step and its time, at one length on C devices (interleaved)."""
+    from unittest import mock
+
+    import jax
+
+    from bench.measure import Record, time_interleaved
+    from jaxblock.attention import context
+
+    variants = {"hand-written": context._ring, "autodiff": _autodiff_ring}
+    memory: dict[str, Any] = {}
+    fns: dict[str, Any] = {}
+    for name, ring in variants.items():
+        with mock.patch.object(context, "_ring", ring):  # traced (compiled) inside the patch
+            memory[name] = step_memory(length, context_size, "ring")
+            runner, state, batch = _runner(length, context_size, "ring")
+            held = {"state": runner.place_state(jax.tree.map(lambda s: jax.numpy.zeros(s.shape, s.dtype), state))}
+            placed, key = runner.place_batch(batch), runner._place_key(jax.random.key(0))
+            held["state"], metrics = runner._train(held["state"], placed, key)  # compiled under the patch
+            jax.block_until_ready(metrics)
+
+        def call(runner: Any = runner, held: dict[str, Any] = held, placed: Any = placed, key: Any = key) -> None:
+            held["state"], metrics = runner._train(held["state"], placed, key)
+            jax.block_until_ready(metrics)
+
+        fns[name] = call
+    times = time_interleaved(fns, reps=reps, warmup=warmup)
+    records = []
+    for name in variants:
+        rec = Record.from_times("context", f"ring backward {name} C={context_size}",
+                                {"length": length, "context": context_size, "strategy": "ring"}, times[name],
+                                **memory[name])
+        records.append(rec)
+    hand, auto = records
+    auto.metrics["ratio"] = round(auto.median / hand.median, 3)
+    auto.metrics["temp_vs_hand_written"] = round(auto.metrics["xla_temp_bytes"] / hand.metrics["xla_temp_bytes"], 3)
+    log(f"ring backward at L={length}, C={context_size}: autodiff {auto.metrics['ratio']:.2f}x the hand-written "
+        f"step time, {auto.metrics['temp_vs_hand_written']:.2f}x its temporaries")
     return records
 
 
@@ -323,6 +375,7 @@ def format_memory(records: list[Any]) -> str:
     out = ["| strategy | C | temporaries MiB | of which grow with L | vs C=1 | arguments MiB | peak MiB | "
            "longest L in C=1's peak | step time vs C=1 |", "|---|---|---|---|---|---|---|---|---|"]
     mem = {(r.config["strategy"], r.config["context"]): r for r in records if r.name.startswith("memory")}
+    ring = [r for r in records if r.name.startswith("ring backward")]
     step = {(r.config["strategy"], r.config["context"]): r for r in records if r.name.startswith("train step")}
     for (strategy, c), r in mem.items():
         m = r.metrics
@@ -331,6 +384,10 @@ def format_memory(records: list[Any]) -> str:
                    f"{m['activations_vs_one_device']:.2f} | "
                    f"{m['xla_argument_bytes'] / 2**20:.1f} | {m['xla_peak_bytes'] / 2**20:.1f} | "
                    f"{m['longest_length'] or '-'} | {t.metrics['ratio'] if t else '-'} |")
+    if ring:
+        out += ["", "| ring backward | L | C | temporaries MiB | step time |", "|---|---|---|---|---|"]
+        out += [f"| {r.name.split()[2]} | {r.config['length']} | {r.config['context']} | "
+                f"{r.metrics['xla_temp_bytes'] / 2**20:.1f} | {r.median * 1e3:.0f} ms |" for r in ring]
     return "\n".join(out)
 
 

@@ -19,7 +19,6 @@ import jax.numpy as jnp
 from jaxblock import masks
 from jaxblock.attention import SelfAttention
 from jaxblock.config import BlockConfig
-from jaxblock.cpu_residual_gradient import settle_gradient  # noqa: F401  (its old home; the stack applies it)
 from jaxblock.ffn import FeedForward
 from jaxblock.norms import make_norm
 from jaxblock.wiring import WIRINGS

@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 
 from train import __main__ as cli
-from train import diagnose, embed, study, verify
+from train import diagnose, embed, export, study, verify
 from train.config import ConfigError, load_config
+from train.serving import server
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -112,6 +113,10 @@ def _accepted(argv: list[str]) -> None:
         embed._parser().parse_args(rest)
     elif command == "verify":
         verify._parser().parse_args(rest)
+    elif command == "export":
+        export._parser().parse_args(rest)
+    elif command == "serve":
+        server._parser().parse_args(rest)
     else:
         assert command == "schema" and not rest, argv
 

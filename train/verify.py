@@ -23,17 +23,13 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 USAGE_EXIT, DAMAGED_EXIT = 2, 1
 
 
 def _parser() -> argparse.ArgumentParser:
-    from train.__main__ import one_line, program
-
-    class Parser(argparse.ArgumentParser):
-        def error(self, message: str) -> NoReturn:
-            self.exit(USAGE_EXIT, one_line(f"{self.prog}: {message} (see --help)") + "\n")
+    from train.cli import Parser, program
 
     p = Parser(prog=f"{program()} verify",
                description="Read every checkpoint of a workdir back and report, per step, whether it restores "
@@ -111,9 +107,9 @@ def _line(r: dict[str, Any]) -> str:
 
 
 def main(argv: list[str]) -> int:
-    from train.__main__ import one_line
     from train.checkpoints.repair import DAMAGED_SUFFIX, committed_steps
     from train.checkpoints.store import CHECKPOINT_DIR, CONFIG_FILE, CheckpointError, read_only_manager, read_run_config
+    from train.cli import one_line
 
     args = _parser().parse_args(argv)
     workdir = Path(args.workdir)
