@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from train import __main__ as cli
-from train import diagnose, embed, export, study, verify
+from train import diagnose, embed, export, lower, study, verify
 from train.config import ConfigError, load_config
 from train.serving import server
 
@@ -117,6 +117,10 @@ def _accepted(argv: list[str]) -> None:
         export._parser().parse_args(rest)
     elif command == "serve":
         server._parser().parse_args(rest)
+    elif command == "lower":
+        if rest:  # a bare `python -m train lower` in prose names the command
+            args = lower._parser().parse_intermixed_args(rest)
+            load_config(args.config, args.overrides)
     else:
         assert command == "schema" and not rest, argv
 

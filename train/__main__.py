@@ -10,6 +10,7 @@
     python -m train verify --workdir W                              read every checkpoint back, write nothing
     python -m train export --workdir W [--out DIR]                  a jax.export artifact (train/export.py)
     python -m train serve (--exported DIR | --workdir W)            JSON HTTP predict/embed (train/serving/)
+    python -m train lower --config C --platform tpu|cuda            will it run on N devices (train/lower.py)
 
 Exit codes: 0 success; 1 a check failed or the run halted on non-finite values; 2 bad input, usage, a busy
 workdir, a damaged checkpoint or a full disk (one line on stderr, nothing already written lost); 130
@@ -53,6 +54,10 @@ commands:
              jax.export artifact that loads with jax, numpy and tokenizers only, or a transformers directory
   serve      (--exported DIR | --workdir W) [--host 127.0.0.1] [--port P]: JSON HTTP predict, embed and health
              with dynamic batching (docs/serving.md)
+  lower      --config C --platform tpu|cuda [--devices 8] [--layout dp|fsdp|tp|...] [key=value ...]: export the
+             train step and inference for the platform on an abstract mesh, here, and print per layer the
+             attention kernel and whether it is in the lowered module, memory per device and collectives
+             (exit 0 all kernels found, 1 one missing, 2 bad input; writes nothing)
 
 overrides are dotted key=value pairs parsed as YAML, e.g. model.num_layers=6 optim.lr=3e-4
 train.steps=2000 data.source=file data.path=reviews.csv
@@ -213,9 +218,13 @@ def cmd_serve(argv: list[str], interrupts: Any = None) -> int:
     return _delegate("train.serving.server", argv)
 
 
+def cmd_lower(argv: list[str], interrupts: Any = None) -> int:
+    return _delegate("train.lower", argv)
+
+
 COMMANDS = {"evaluate": cmd_evaluate, "predict": cmd_predict, "schema": cmd_schema, "diagnose": cmd_diagnose,
             "study-ln": cmd_study, "embed": cmd_embed, "verify": cmd_verify, "train": cmd_train,
-            "export": cmd_export, "serve": cmd_serve}
+            "export": cmd_export, "serve": cmd_serve, "lower": cmd_lower}
 
 
 def _unknown_command(argv: list[str]) -> str | None:
