@@ -128,7 +128,8 @@ def from_workdir(workdir: Path, step: int | None = None) -> Source:
         encoder = Encoder(model)
 
         def embed(p: Any, tokens: jax.Array, valid: jax.Array) -> dict[str, jax.Array]:
-            return {"embeddings": masked_mean(encoder.apply({"params": p["encoder"]}, tokens, valid), valid)}
+            hidden: jax.Array = encoder.apply({"params": p["encoder"]}, tokens, valid)  # type: ignore[assignment]
+            return {"embeddings": masked_mean(hidden, valid)}
 
         return Source("encoder", model, {"encoder": params["encoder"]}, embed, run.tokenizer, max_len, buckets,
                       pooling="mean over real tokens", record=record)
@@ -146,7 +147,8 @@ def from_model(spec: str) -> Source:
     encoder, pooling = Encoder(model), embedder.pooling
 
     def embed(p: Any, tokens: jax.Array, valid: jax.Array) -> dict[str, jax.Array]:
-        return {"embeddings": pool(encoder.apply({"params": p}, tokens, valid), valid, pooling)}
+        hidden: jax.Array = encoder.apply({"params": p}, tokens, valid)  # type: ignore[assignment]
+        return {"embeddings": pool(hidden, valid, pooling)}
 
     described = "+".join(pooling.modes) + (", normalised" if pooling.normalize else "") + f" ({pooling.source})"
     return Source("encoder", model, jax.tree.map(np.asarray, embedder.params), embed, embedder.tokenizer,
