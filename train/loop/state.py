@@ -17,13 +17,16 @@ from train.config import ConfigError, OptimConfig
 
 
 class TrainState(train_state.TrainState):
-    """Flax TrainState plus the learning-rate schedule (for the `lr` metric).
+    """Flax TrainState plus the learning-rate schedule (for the `lr` metric) and the optim.freeze patterns.
 
     The update is wrapped in optax.apply_if_finite: a non-finite gradient leaves params and
-    optimizer state untouched, and `opt_state.notfinite_count` counts consecutive skips.
+    optimizer state untouched, and `opt_state.notfinite_count` counts consecutive skips. `frozen`: the
+    patterns of the leaves the optimizer leaves alone, which train/loop/step.py therefore does not
+    differentiate.
     """
 
     lr_schedule: Callable[[Any], Any] = struct.field(pytree_node=False)
+    frozen: tuple[str, ...] = struct.field(pytree_node=False, default=())
 
 
 def make_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
@@ -53,7 +56,7 @@ def decay_mask(params: Any, decay_embeddings: bool) -> Any:
     return jax.tree_util.tree_map_with_path(rule, params)
 
 
-def frozen_labels(params: Any, patterns: list[str]) -> Any:
+def frozen_labels(params: Any, patterns: list[str] | tuple[str, ...]) -> Any:
     """"frozen" for the leaves optim.freeze names (a glob over the leaf's name or its slash path), else
     "train". ConfigError for a pattern that names no parameter."""
     def path_of(path: tuple[Any, ...]) -> str:
@@ -104,7 +107,8 @@ def create_state(
     model: nn.Module, params: Any, optim: OptimConfig, total_steps: int
 ) -> TrainState:
     tx, schedule = make_optimizer(optim, total_steps)
-    return TrainState.create(apply_fn=model.apply, params=params, tx=tx, lr_schedule=schedule)
+    return TrainState.create(apply_fn=model.apply, params=params, tx=tx, lr_schedule=schedule,
+                             frozen=tuple(optim.freeze))
 
 
 def init_variables(model: nn.Module, seed: int, batch_len: int) -> Any:

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import optax
 from flax.training import train_state
 
+from train.loop.state import frozen_labels
 from train.tasks import Task
 
 Batch = dict[str, jax.Array]
@@ -29,11 +30,47 @@ def gradient_step(state: State, loss_fn: LossFn, axis_name: str | None = None) -
 
     With `axis_name` the loss, aux and gradients are summed over that axis before the update, so
     `loss_fn` must return this device's share of the global loss (its sum over the global count).
+
+    Leaves the optimizer freezes (`state.frozen`, from optim.freeze) enter `loss_fn` as constants: their
+    gradient is never computed (for a frozen token table, a dense [V, D] scatter-add the optimizer would
+    throw away) nor summed over `axis_name`, and it is returned as zeros.
     """
-    (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+    frozen = _frozen_flags(state)
+    if not any(frozen):
+        (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+        if axis_name is not None:
+            grads, loss, aux = jax.lax.psum((grads, loss, aux), axis_name)
+        return state.apply_gradients(grads=grads), loss, aux, grads
+    leaves, tree = jax.tree.flatten(state.params)
+    fixed = [x for x, f in zip(leaves, frozen, strict=True) if f]
+
+    def merged(trained: list[Any], others: list[Any]) -> Any:
+        it_t, it_o = iter(trained), iter(others)
+        return jax.tree.unflatten(tree, [next(it_o) if f else next(it_t) for f in frozen])
+
+    def trained_loss(trained: list[Any]) -> tuple[jax.Array, Any]:
+        return loss_fn(merged(trained, fixed))
+
+    trained = [x for x, f in zip(leaves, frozen, strict=True) if not f]
+    (loss, aux), part = jax.value_and_grad(trained_loss, has_aux=True)(trained)
     if axis_name is not None:
-        grads, loss, aux = jax.lax.psum((grads, loss, aux), axis_name)
-    return state.apply_gradients(grads=grads), loss, aux, grads
+        part, loss, aux = jax.lax.psum((part, loss, aux), axis_name)
+    grads = merged(part, [jnp.zeros_like(x) for x in fixed])
+    new_state = state.apply_gradients(grads=grads)
+    # The optimizer's update of a frozen leaf is 0; taking the leaf as it was (rather than leaf + 0 out of
+    # apply_if_finite's conditional, which XLA does not see through) leaves no pass over it in the program.
+    new_leaves = jax.tree.leaves(new_state.params)
+    it = iter(fixed)
+    params = jax.tree.unflatten(tree, [next(it) if f else x for x, f in zip(new_leaves, frozen, strict=True)])
+    return new_state.replace(params=params), loss, aux, grads
+
+
+def _frozen_flags(state: Any) -> list[bool]:
+    """Per leaf of state.params (flattening order): whether optim.freeze names it."""
+    patterns = getattr(state, "frozen", ())
+    if not patterns:
+        return [False] * len(jax.tree.leaves(state.params))
+    return [label == "frozen" for label in jax.tree.leaves(frozen_labels(state.params, patterns))]
 
 
 def loss_fn_for(task: Task, state: train_state.TrainState, batch: Batch, rng: jax.Array | None,
