@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from jaxblock import masks
 from jaxblock.attention import SelfAttention
 from jaxblock.config import BlockConfig
+from jaxblock.dropout import Dropout
 from jaxblock.ffn import FeedForward
 from jaxblock.norms import make_norm
 from jaxblock.wiring import WIRINGS
@@ -42,8 +43,8 @@ class EncoderBlock(nn.Module):
         self.ffn_norm = make_norm(cfg)
         if cfg.ablate != "ffn":
             self.ffn = FeedForward(cfg)
-        self.attn_residual_dropout = nn.Dropout(cfg.residual_dropout)
-        self.ffn_residual_dropout = nn.Dropout(cfg.residual_dropout)
+        self.attn_residual_dropout = Dropout(cfg.residual_dropout)
+        self.ffn_residual_dropout = Dropout(cfg.residual_dropout)
 
     def __call__(
         self,

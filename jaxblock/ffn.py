@@ -18,6 +18,7 @@ import jax.numpy as jnp
 
 from jaxblock.config import BlockConfig
 from jaxblock.cpu_weight_gradient import project
+from jaxblock.dropout import Dropout
 from jaxblock.initializers import Weights, bias_init, kernel_init
 
 _SQRT_HALF = 0.7071067811865476
@@ -62,7 +63,7 @@ class FeedForward(nn.Module):
             (f, d), kernel_init(cfg.init, f, 0, 1, ("mlp", "embed")),
             (d,), bias_init(cfg.init, f, ("embed",)), cfg.use_bias, cfg.params_dtype,
         )
-        self.hidden_dropout = nn.Dropout(cfg.ffn_dropout)
+        self.hidden_dropout = Dropout(cfg.ffn_dropout)
 
     def __call__(self, x: jax.Array, *, train: bool = False) -> jax.Array:
         cfg = self.config

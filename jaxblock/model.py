@@ -19,6 +19,7 @@ from jaxblock import masks
 from jaxblock.block import EncoderBlock
 from jaxblock.config import EncoderConfig, StackConfig
 from jaxblock.cpu_residual_gradient import settled_residuals
+from jaxblock.dropout import Dropout
 from jaxblock.ffn import gelu_exact
 from jaxblock.initializers import param
 from jaxblock.norms import make_norm
@@ -156,7 +157,7 @@ class Encoder(nn.Module):
             x = x + table.astype(jnp.float32)[positions + cfg.position_offset]
         if cfg.embed_norm:
             x = make_norm(blk.model_copy(update={"model_dim": width}), "embed_norm")(x).astype(jnp.float32)
-        x = nn.Dropout(cfg.embed_dropout)(x, deterministic=not train)
+        x = Dropout(cfg.embed_dropout)(x, deterministic=not train)
         if width != blk.model_dim:  # E -> D (ELECTRA's embeddings_project)
             x = nn.Dense(
                 blk.model_dim,
@@ -248,7 +249,7 @@ class Classifier(nn.Module):
             if cfg.pooler_norm:
                 f32_block = cfg.block.model_copy(update={"dtype": "float32"})
                 pooled = make_norm(f32_block, "pooler_norm")(pooled)
-            pooled = nn.Dropout(cfg.embed_dropout)(pooled, deterministic=not train)
+            pooled = Dropout(cfg.embed_dropout)(pooled, deterministic=not train)
         head = nn.Dense(
             cfg.num_classes,
             use_bias=cfg.pooling != "last",

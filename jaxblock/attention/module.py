@@ -31,6 +31,7 @@ from jaxblock.attention.splash import splash_attention
 from jaxblock.attention.xla import fused_attention
 from jaxblock.config import BlockConfig
 from jaxblock.cpu_weight_gradient import project
+from jaxblock.dropout import Dropout
 from jaxblock.initializers import Weights, bias_init, kernel_init
 from jaxblock.positions import apply_rope, rope_frequencies
 
@@ -189,11 +190,7 @@ class SelfAttention(nn.Module):
         return ctx.reshape(n, length, h, kdim)
 
 
-class _WeightsDropout(nn.Dropout):
-    """nn.Dropout that can also hand out its keep mask, for kernels that apply dropout inside themselves.
-
-    `keep` draws from the same rng stream, with the same shape, as calling the module on the weights
-    would, so the dense kernel drops exactly the weights the unfused path drops."""
-
-    def keep(self, shape: tuple[int, ...]) -> jax.Array:
-        return jax.random.bernoulli(self.make_rng(self.rng_collection), 1.0 - self.rate, shape)
+class _WeightsDropout(Dropout):
+    """Dropout on the attention weights, which also hands out its keep mask (`keep`, jaxblock/dropout.py) for
+    kernels that apply dropout inside themselves: the same rng stream and shape as calling the module on
+    the weights, so the dense kernel drops exactly the weights the unfused path drops."""

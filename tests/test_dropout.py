@@ -1,0 +1,55 @@
+"""jaxblock.dropout: the unrolled-Threefry keep mask is jax.random.bernoulli's, bit for bit, for every key kind
+and shape it takes on (others go to jax.random.bernoulli itself), it compiles to one pass with no loop, and
+Dropout is flax's nn.Dropout with that mask."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxblock.dropout import Dropout, bernoulli
+
+SHAPES = [(), (1,), (7,), (3, 5), (2, 3, 4, 5), (2, 1, 3, 1, 4)]
+
+
+@pytest.mark.parametrize("make_key", [lambda s: jax.random.key(s), lambda s: jax.random.PRNGKey(s)],
+                         ids=["typed", "raw"])
+def test_the_mask_is_jax_random_bernoullis(make_key):
+    for i, shape in enumerate(SHAPES):
+        key = jax.random.fold_in(make_key(i), 11) if i % 2 else make_key(i)
+        for p in (0.9, 0.5, 0.0, 1.0, 1e-3):
+            ours = jax.jit(bernoulli, static_argnums=(1, 2))(key, p, shape)
+            theirs = jax.random.bernoulli(key, p, shape)
+            assert ours.shape == theirs.shape == shape and ours.dtype == jnp.bool_
+            np.testing.assert_array_equal(ours, theirs, err_msg=f"{shape} p={p}")
+    # Not a coincidence of all-True masks: a mid p gives a mix.
+    assert 0 < int(bernoulli(make_key(0), 0.5, (64,)).sum()) < 64
+
+
+def test_another_prng_implementation_is_drawn_by_jax_itself():
+    key = jax.random.key(0, impl="rbg")
+    np.testing.assert_array_equal(bernoulli(key, 0.7, (4, 6)), jax.random.bernoulli(key, 0.7, (4, 6)))
+
+
+def test_the_mask_is_one_pass_without_the_hash_loop():
+    text = jax.jit(lambda k: bernoulli(k, 0.9, (8, 4, 16, 16))).lower(jax.random.key(0)).compile().as_text()
+    assert " while(" not in text
+    loop = jax.jit(lambda k: jax.random.bernoulli(k, 0.9, (8, 4, 16, 16))).lower(jax.random.key(0))
+    if jax.default_backend() == "cpu":  # what the test can see: jax's own CPU lowering loops over the rounds
+        assert " while(" in loop.compile().as_text()
+
+
+@pytest.mark.parametrize("broadcast_dims", [(), (1,)])
+def test_dropout_is_flaxs_with_the_same_rng(broadcast_dims):
+    x = jax.random.normal(jax.random.key(1), (3, 6, 8))
+    rngs = {"dropout": jax.random.key(2)}
+    for rate in (0.1, 0.5, 0.0):
+        ours = Dropout(rate, broadcast_dims=broadcast_dims).apply({}, x, deterministic=False, rngs=rngs)
+        theirs = nn.Dropout(rate, broadcast_dims=broadcast_dims).apply({}, x, deterministic=False, rngs=rngs)
+        np.testing.assert_array_equal(ours, theirs)
+    assert int(jnp.sum(ours == 0)) == 0  # rate 0: unchanged
+    dropped = Dropout(0.5).apply({}, x, deterministic=False, rngs=rngs)
+    assert 0 < int(jnp.sum(dropped == 0)) < x.size
+    np.testing.assert_array_equal(Dropout(0.5).apply({}, x, deterministic=True), x)
+    np.testing.assert_array_equal(Dropout(1.0).apply({}, x, deterministic=False, rngs=rngs), jnp.zeros_like(x))
