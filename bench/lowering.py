@@ -93,7 +93,11 @@ def check(config: Path, layout: str, platform: str, devices: int) -> Cell:
                     time.perf_counter() - start)
     m = report.memory
     memory = f"{size(m['total'])} (params {size(m['parameters'])})"
-    problems = [f"{c.call}: {c.error}" for c in report.calls if not c.lowered]
+    by_error: dict[str, list[str]] = {}
+    for c in report.calls:
+        if not c.lowered:
+            by_error.setdefault(str(c.error), []).append(c.call)
+    problems = [f"{' and '.join(calls)} not lowered: {error}" for error, calls in by_error.items()]
     problems += [f"{c.call} layer {x.layer}: {x.kernel} not found" for c in report.calls if c.lowered
                  for x in c.layers if not x.ok]
     return Cell(name, layout, platform, all(c.lowered for c in report.calls), report.ok, _kernels(report), memory,
@@ -125,6 +129,12 @@ def markdown(cells: list[Cell], devices: int, seconds: float) -> str:
         kernels = (c.kernels if c.ok else f"{c.kernels} — **{c.problem}**").replace("|", "\\|")
         rows.append(f"| {c.config} | {c.layout} ({c.mesh}) | {c.platform} | {lowered} | {kernels} | {c.memory} |")
     bad = [c for c in cells if not c.ok]
+    causes: dict[str, list[Cell]] = {}
+    for c in bad:
+        causes.setdefault(c.problem.split(" not lowered: ")[-1], []).append(c)
+    summary = [f"- {len(group)} cell{'s' if len(group) > 1 else ''} ("
+               f"{', '.join(f'{c.config} {c.layout} {c.platform}' for c in group)}): {cause}"
+               for cause, group in causes.items()]
     today = datetime.date.today().isoformat()
     return "\n".join([
         "# Lowering every config for TPU and CUDA, on a CPU host",
@@ -143,6 +153,7 @@ def markdown(cells: list[Cell], devices: int, seconds: float) -> str:
         "",
         f"Run {today} on {host_platform.machine()} with jax {jax.__version__}: {len(cells)} cells, "
         f"{len(cells) - len(bad)} ok, {len(bad)} not, {seconds / 60:.0f} minutes.",
+        *(["", "What did not lower, or lowered without its kernel:", "", *summary] if summary else []),
         "",
         *rows,
         "",

@@ -58,7 +58,8 @@ def test_tpu_every_layer_runs_splash_in_the_lowered_train_step_and_inference(cap
         assert kernel == "splash" and found and names == ["splash_mqa_fwd_segmented_no_residuals"]
     memory = report["memory"]
     assert 0 < memory["parameters"] < memory["parameters_global"]  # fsdp and tensor split the parameters
-    assert memory["total"] == 2 * memory["parameters"] + memory["optimizer_state"]
+    assert memory["gradients"] == memory["parameters"]
+    assert memory["total"] == memory["parameters"] + memory["gradients"] + memory["optimizer_state"]
     assert list(tmp_path.iterdir()) == []
 
 
@@ -166,13 +167,20 @@ def test_sharded_optimizer_state_follows_its_parameters_with_frozen_ones(tiny):
     mesh = AbstractMesh(tuple(sizes.get(a, 1) for a in MESH_AXES), MESH_AXES,
                         axis_types=(AxisType.Auto,) * len(MESH_AXES))
     params_sh, _ = param_shardings(specs, params, mesh, logical_rules(cfg.parallel))
-    opt_sh = state_shardings(state, params_sh, mesh).opt_state
+    state_sh = state_shardings(state, params_sh, mesh)
+    opt_sh = state_sh.opt_state
     by_param = {jax.tree_util.keystr(p): sh for p, sh in jax.tree_util.tree_flatten_with_path(params_sh)[0]}
     moments = [(jax.tree_util.keystr(p), sh) for p, sh in jax.tree_util.tree_flatten_with_path(opt_sh)[0]
                if ".mu" in jax.tree_util.keystr(p)]
     assert moments and not any(path.endswith("['encoder']['embedding']") for path, _ in moments)
     for path, sh in moments:
         assert sh == next(by_param[name] for name in by_param if path.endswith(name)), path
+
+    from train.lower import _memory
+
+    memory = _memory(state, state_sh, cfg.optim.freeze)  # the frozen table has no gradient and no moments
+    table = params["encoder"]["embedding"]
+    assert memory["parameters"] - memory["gradients"] == table.size * 4 // 8  # [V, D]: V over tensor, D over fsdp
 
 
 def test_run_json_records_each_layers_kernel_for_the_train_and_eval_calls(reference_run):

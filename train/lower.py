@@ -351,7 +351,7 @@ def lower(target: Target, config_path: str = "", *, compile_collectives: bool = 
     # The runner's placement rules, on a mesh of devices this host does not have (they read only its shape).
     params_sh, replicated_dims = param_shardings(specs, params, mesh, rules)  # type: ignore[arg-type]
     state_sh = state_shardings(state, params_sh, mesh)  # type: ignore[arg-type]
-    memory = _memory(state, state_sh)
+    memory = _memory(state, state_sh, config.optim.freeze)
     batches = _batches(task, config, mesh, rules)
 
     calls = []
@@ -592,21 +592,26 @@ def attention_calls(text: str, num_layers: int) -> dict[int, list[tuple[str, str
     return {layer: sorted(calls, key=str) for layer, calls in out.items()}
 
 
-def _memory(state: Any, state_sh: Any) -> dict[str, int]:
-    """Bytes per device (and in all) of the parameters, their gradients (same shapes, dtypes and shardings)
-    and the optimizer state, from the shardings."""
+def _memory(state: Any, state_sh: Any, freeze: list[str]) -> dict[str, int]:
+    """Bytes per device (and in all) of the parameters, their gradients (the trained parameters' shapes,
+    dtypes and shardings: a frozen leaf's gradient is never formed, train/loop/step.py) and the optimizer
+    state, from the shardings."""
+    from train.loop.state import frozen_labels
 
-    def per_device(tree: Any, shardings: Any) -> tuple[int, int]:
+    def per_device(tree: Any, shardings: Any, keep: list[bool] | None = None) -> tuple[int, int]:
         leaves = jax.tree.leaves(tree)
         shs = jax.tree.leaves(shardings, is_leaf=lambda x: isinstance(x, NamedSharding))
-        local = sum(math.prod(sh.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize for x, sh in zip(leaves, shs,
-                                                                                                      strict=True))
-        whole = sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in leaves)
+        kept = [True] * len(leaves) if keep is None else keep
+        local = sum(math.prod(sh.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize
+                    for x, sh, k in zip(leaves, shs, kept, strict=True) if k)
+        whole = sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x, k in zip(leaves, kept, strict=True) if k)
         return local, whole
 
     params, params_all = per_device(state.params, state_sh.params)
+    trained = [label == "train" for label in jax.tree.leaves(frozen_labels(state.params, freeze))]
+    grads, _ = per_device(state.params, state_sh.params, trained)
     opt, opt_all = per_device(state.opt_state, state_sh.opt_state)
-    return {"parameters": params, "gradients": params, "optimizer_state": opt, "total": 2 * params + opt,
+    return {"parameters": params, "gradients": grads, "optimizer_state": opt, "total": params + grads + opt,
             "parameters_global": params_all, "optimizer_state_global": opt_all}
 
 
@@ -622,7 +627,8 @@ def _compiled_collectives(task: Any, model: Any, config: Config, state: Any, spe
         return dict.fromkeys(COLLECTIVES, 0), "one device: none"
     cpus = jax.devices("cpu")
     if len(cpus) < devices:
-        return None, (f"not counted: this process has {len(cpus)} CPU devices, not {devices} (the command sets "
+        return None, (f"not counted: this process has {len(cpus)} CPU device{'s' if len(cpus) > 1 else ''}, not "
+                      f"{devices} (the command sets "
                       f"--xla_force_host_platform_device_count up to {_MAX_CPU_DEVICES} when it starts JAX itself)")
     mesh = Mesh(np.asarray(cpus[:devices]).reshape(shape), MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
     params_sh, _ = param_shardings(specs, state.params, mesh, rules)
@@ -719,7 +725,8 @@ def render(report: Report) -> str:
     m = report.memory
     lines += ["", "memory per device (from the shardings; activations are not counted):",
               f"  parameters       {size(m['parameters']):>10}  (of {size(m['parameters_global'])} in all)",
-              f"  gradients        {size(m['gradients']):>10}",
+              f"  gradients        {size(m['gradients']):>10}"
+              f"{'' if m['gradients'] == m['parameters'] else '  (the trained parameters: optim.freeze)'}",
               f"  optimizer state  {size(m['optimizer_state']):>10}  (of {size(m['optimizer_state_global'])} in all)",
               f"  total            {size(m['total']):>10}"]
     if report.replicated_dims:
