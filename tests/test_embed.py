@@ -86,8 +86,9 @@ def test_cli_writes_embeddings_in_input_order(tmp_path, capsys, suffix):
     capsys.readouterr()
     assert main(["embed", "--model", f"hf:{path}", *TEXTS[:2], "--input", str(tmp_path / "in.txt"),
                  "--out", str(out)]) == 0
-    err = capsys.readouterr().err
-    assert f"embedded 5 texts into {out} (32 dims, pooling mean, normalised" in err
+    printed = capsys.readouterr().out.splitlines()
+    assert len(printed) == 1 and printed[0].startswith(f"embedded 5 texts into {out}: float32 [5, 32], pooling mean, "
+                                                       "normalised"), printed
     expected = Embedder.load(str(path)).embed(TEXTS)
     if suffix == ".npy":
         got = np.load(out)

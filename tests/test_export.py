@@ -55,10 +55,15 @@ def _export(workdir: Path, *extra: str) -> Path:
 
 
 @pytest.fixture(scope="module")
-def exported(reference_run, tmp_path_factory) -> Path:
-    """The shared tiny run, exported with the defaults into a copy of its workdir."""
+def exported(tmp_path_factory) -> Path:
+    """A tiny run (the reference run's config: its compiled programs are in the suite's cache), exported with
+    the defaults. Not the shared reference run itself, so this file runs beside that group."""
+    from conftest import tiny_config
+
+    from train import run
+
     workdir = tmp_path_factory.mktemp("export") / "run"
-    shutil.copytree(reference_run[0], workdir)
+    run.train(tiny_config(), workdir)
     return _export(workdir)
 
 
@@ -138,8 +143,8 @@ def test_symbolic_batch_and_length_within_max_len(exported):
 
 @pytest.mark.parametrize("case", ["no checkpoints", "missing workdir", "platform", "unwritable", "not an export",
                                   "both sources"])
-def test_bad_input_is_one_line_exit_2_and_nothing_left(reference_run, tmp_path, capsys, case):
-    workdir = reference_run[0]
+def test_bad_input_is_one_line_exit_2_and_nothing_left(exported, tmp_path, capsys, case):
+    workdir = exported.parent
     blocker = tmp_path / "file"
     blocker.write_text("x")
     other = tmp_path / "other"
@@ -242,6 +247,7 @@ def test_exported_pretrained_tokenizer_keeps_the_closing_token_when_it_truncates
 # --- a pretrained checkpoint's embeddings, and the transformers directory -----------------------
 
 
+@pytest.mark.slow
 def test_export_of_a_transformers_checkpoint_gives_embeds_vectors(tmp_path):
     pytest.importorskip("transformers")
     from conftest import random_bert_dir
@@ -297,3 +303,59 @@ def test_format_hf_gives_transformers_our_predictions(tmp_path):
         [list(row[m]) for row, m in zip(ours_batch["tokens"], ours_batch["valid_tokens"], strict=True)]
     ours = jax.nn.softmax(model.apply({"params": params}, ours_batch["tokens"], ours_batch["valid_tokens"]), -1)
     np.testing.assert_allclose(theirs, np.asarray(ours), atol=1e-5)
+
+
+# --- the real runs (slow) -----------------------------------------------------------------------
+
+
+def _train_cli(*args: str, cwd: Path | None = None) -> None:
+    done = subprocess.run([sys.executable, "-m", "train", *args, "train.progress=false"], capture_output=True,
+                          text=True, timeout=1800, cwd=cwd)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_the_main_job_exported_with_the_defaults_loads_in_the_docs_block_and_equals_predict(tmp_path, capsys):
+    """The docs block as written (runs/sentiment/exported) on the main job's config, trained for 100 steps."""
+    workdir = tmp_path / "runs/sentiment"
+    _train_cli("--config", str(ROOT / "configs/sentiment.yaml"), "--workdir", str(workdir), "train.steps=100",
+               "train.eval_every=100", "checkpoint.every=100")
+    _export(workdir)
+    done = _run_docs_block(workdir / "exported", tmp_path)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout.split("RESULT ")[-1])
+    assert result["blocked_loaded"] == []
+    capsys.readouterr()
+    assert main(["predict", "--workdir", str(workdir), "--json", *TEXTS]) == 0
+    predicted = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    labels = json.loads((workdir / "exported/manifest.json").read_text())["labels"]
+    want = np.array([[p["probabilities"][name] for name in labels] for p in predicted])
+    assert np.abs(np.array(result["probs"]) - want).max() < 1e-6
+
+
+@pytest.mark.slow
+def test_the_pretrained_job_as_a_transformers_directory_predicts_as_we_do(tmp_path):
+    """configs/sentiment_pretrained.yaml (all-MiniLM-L6-v2, fetched once) fine-tuned for 20 steps, written with
+    --format hf: AutoModelForSequenceClassification and AutoTokenizer give our probabilities on test sentences."""
+    pytest.importorskip("transformers")
+    import torch
+    import transformers
+
+    from bench.serve_load import test_texts
+    from train.inference import TrainedRun
+
+    workdir = tmp_path / "run"
+    _train_cli("--config", str(ROOT / "configs/sentiment_pretrained.yaml"), "--workdir", str(workdir),
+               "train.steps=20", "train.eval_every=20", "checkpoint.every=20", "optim.warmup_steps=2")
+    assert main(["export", "--workdir", str(workdir), "--format", "hf", "--out", str(tmp_path / "hf")]) == 0
+    texts = test_texts(workdir)[:200]
+    run = TrainedRun.load(workdir)
+    ours = np.array([[p.probabilities[name] for name in run.label_names] for p in run.predict(texts)])
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(tmp_path / "hf").eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    assert [model.config.id2label[i] for i in range(2)] == run.label_names
+    with torch.no_grad():
+        batch = tokenizer(texts, padding=True, truncation=True, return_tensors="pt")
+        theirs = torch.softmax(model(**batch).logits, -1).numpy()
+    assert np.abs(theirs - ours).max() < 1e-4
+    assert (theirs.argmax(1) == ours.argmax(1)).all()

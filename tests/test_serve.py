@@ -103,9 +103,14 @@ def test_without_dynamic_batching_each_request_runs_alone():
     assert artifact.shapes == [(2, 4)] * 5
 
 
-def test_batches_take_the_oldest_rows_bucket_and_leave_shorter_rows_to_their_own():
+@pytest.mark.parametrize("overhead,want", [
+    (0.0, [[6, 2, 3, 7], [1, 2], [5, 8]]),  # cost proportional to size x length: short rows stay short
+    (1.0, [[6, 2, 3, 7], [1, 5, 8, 2]]),  # a large cost per run: the fuller batch at the longer length wins
+])
+def test_each_batch_holds_the_oldest_row_and_costs_least_per_row(overhead, want):
     artifact = FakeArtifact()
     batcher = _batcher(artifact)
+    batcher.costs = {(b, n): overhead + b * n * 1e-3 for b in SIZES for n in LENGTHS}
 
     async def go() -> list[list[int]]:
         rows = [np.ones(n, np.int32) for n in (6, 2, 3, 7, 1, 5, 8, 2)]  # buckets 8, 4, 4, 8, 4, 8, 8, 4
@@ -118,8 +123,7 @@ def test_batches_take_the_oldest_rows_bucket_and_leave_shorter_rows_to_their_own
             f.cancel()
         return batches
 
-    # Oldest first: the 8-bucket (6) takes four rows of its bucket, then the 4-bucket its four (max_batch 4).
-    assert asyncio.run(go()) == [[6, 7, 5, 8], [2, 3, 1, 2]]
+    assert asyncio.run(go()) == want
 
 
 def test_a_full_queue_refuses_at_once_and_a_drain_answers_what_it_accepted():
@@ -277,9 +281,13 @@ def _start_server(args: list[str], env: dict[str, str] | None = None) -> tuple[s
     return proc, url
 
 
-def test_serve_a_run_then_sigterm_answers_every_accepted_request_and_exits_0(reference_run, tmp_path):
+def test_serve_a_run_then_sigterm_answers_every_accepted_request_and_exits_0(tmp_path):
+    from conftest import tiny_config
+
+    from train import run
+
     workdir = tmp_path / "run"
-    shutil.copytree(reference_run[0], workdir)
+    run.train(tiny_config(), workdir)  # the reference run's config (cached programs), outside its test group
     proc, url = _start_server(["--workdir", str(workdir), "--lengths", "16", "--max-batch", "4"])
     port = int(url.rsplit(":", 1)[1])
     from train.inference import TrainedRun
@@ -300,7 +308,7 @@ def test_serve_a_run_then_sigterm_answers_every_accepted_request_and_exits_0(ref
         try:
             c.request("POST", "/predict", json.dumps({"texts": ["1 2 3"] * 4}))
             results.append(c.getresponse().status)
-        except OSError as err:  # refused before it was accepted: the listener had closed
+        except (OSError, http.client.HTTPException) as err:  # never reached a handler: the listener had closed
             results.append(type(err).__name__)
 
     threads = [threading.Thread(target=client) for _ in range(8)]
@@ -316,7 +324,8 @@ def test_serve_a_run_then_sigterm_answers_every_accepted_request_and_exits_0(ref
     assert len(stopped) == 1 and "0 unanswered" in stopped[0], err
     accepted = int(stopped[0].split()[1])
     answered = sum(1 for r in results if r in (200, 503))
-    assert accepted == 1 + answered and all(r in (200, 503, "ConnectionRefusedError") for r in results), results
+    assert accepted == 1 + answered, (stopped, results)  # every request a handler took was answered
+    assert 200 in results, results
 
 
 @pytest.mark.parametrize("argv,words", [

@@ -258,6 +258,6 @@ def main(argv: list[str]) -> int:
     vectors = embedder.embed(texts, args.batch_size)
     _write(out, texts, vectors)
     pooled = "+".join(embedder.pooling.modes) + (", normalised" if embedder.pooling.normalize else "")
-    print(f"embedded {len(texts)} texts into {out} ({vectors.shape[1]} dims, pooling {pooled} from "
-          f"{embedder.pooling.source}; {cut} truncated to {embedder.max_len} tokens)", file=sys.stderr)
+    print(f"embedded {len(texts)} texts into {out}: float32 [{vectors.shape[0]}, {vectors.shape[1]}], pooling "
+          f"{pooled} from {embedder.pooling.source}; {cut} truncated to {embedder.max_len} tokens")
     return 0

@@ -11,6 +11,7 @@ program (jax.export deserializes StableHLO): serve only exports you trust.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from dataclasses import dataclass
@@ -113,4 +114,10 @@ class Artifact:
             raise ValueError(f"tokens {tokens.shape} and mask {mask.shape}: the export takes [b, l] with b >= 1 and "
                              f"1 <= l <= {self.max_len}")
         args = (tokens, mask) if self.params is None else (self.params, tokens, mask)
-        return {k: np.asarray(v) for k, v in self.model.call(*args).items()}
+        return {k: np.asarray(v) for k, v in self._call(*args).items()}
+
+    @functools.cached_property
+    def _call(self) -> Any:
+        # Exported.call flattens and checks its arguments on every call (~0.7 ms for the main job's export,
+        # ~6 ms for MiniLM's 100 parameter arrays); under jit that happens once per shape.
+        return jax.jit(self.model.call)

@@ -1,14 +1,15 @@
 """Dynamic batching: the rows of concurrent requests share compiled shapes, one model run at a time.
 
 Each text of a request is one row, tokenized and truncated by the export's tokenizer. A row waits in the
-queue of its length bucket (the smallest of `lengths` that holds it). The worker takes the bucket of
-the oldest waiting row and runs up to `max_batch` of its rows, oldest first, padded to the smallest of
-`batch_sizes` that holds them, so every run uses a shape compiled and warmed at start (`warm`). Shorter
-rows are not padded into a longer bucket: measured on the pretrained MiniLM export, 16 rows cost 7 ms
-each at 16 tokens, 13 ms at 32 and 29 ms at 64, so three batches at their own lengths beat one at the
-longest. While one batch runs (in a worker
-thread: XLA releases the GIL), the next requests queue up, so the batch grows with the load by itself;
-no request waits for a timer.
+queue of its length bucket (the smallest of `lengths` that holds it). Each model run takes the oldest
+waiting row and the batch around it that costs least per row: for each length L from the oldest row's
+bucket up, the oldest rows that fit in L (up to `max_batch`), padded to the smallest of `batch_sizes`
+that holds them, priced by the time that shape took at warm-up (`warm` compiles every shape, then times
+it). So rows are padded into a longer bucket only when the larger batch is cheaper per row: measured on
+the pretrained MiniLM export, one row alone cost 32-38 ms while 16 rows cost 7 ms each at 16 tokens, 13
+at 32 and 29 at 64. Every run uses a shape compiled at start. While one batch runs (in a worker thread:
+XLA releases the GIL), the next requests queue up, so batches grow with the load by themselves; no
+request waits for a timer.
 
 The queue is bounded (`max_queue` rows): a request that does not fit is refused at once (QueueFullError, a 503
 for the HTTP layer), never dropped later. `dynamic=False` is the baseline without batching: each request
@@ -79,6 +80,9 @@ class Batcher:
         self.batches = 0
         self.rows_run = 0
         self.padded_rows = 0
+        self.real_tokens = 0
+        self.run_tokens = 0
+        self.costs: dict[tuple[int, int], float] = {}  # (batch size, length) -> seconds, timed by `warm`
         self._buckets: dict[int, collections.deque[_Row]] = {n: collections.deque() for n in self.lengths}
         self._jobs: collections.deque[_Job] = collections.deque()  # dynamic=False: whole requests in order
         self._seq = itertools.count()
@@ -93,23 +97,28 @@ class Batcher:
         return [(b, n) for n in self.lengths for b in self.batch_sizes]
 
     def warm(self, say: Callable[[str], None] | None = None, threads: int | None = None) -> float:
-        """Run every shape once (each compiles; the compiles run on `threads` threads, default one per
-        core); returns the seconds it took. Blocking: call it in a thread."""
+        """Compile every shape (on `threads` threads, default one per core), then time each one (the
+        better of two runs, one shape at a time): the costs the batches are chosen by. Returns the seconds
+        it took. Blocking: call it in a thread."""
         started = time.perf_counter()
         shapes = self.shapes()
         done = 0
 
-        def one(shape: tuple[int, int]) -> None:
+        def one(shape: tuple[int, int]) -> float:
             tokens = np.full(shape, self.pad_id, np.int32)
             mask = np.zeros(shape, np.int32)
             mask[:, 0] = 1
+            begin = time.perf_counter()
             self.run(tokens, mask)
+            return time.perf_counter() - begin
 
         with concurrent.futures.ThreadPoolExecutor(threads or os.cpu_count() or 1) as pool:
             for _ in pool.map(one, shapes):
                 done += 1
                 if say is not None and done % max(1, len(shapes) // 4) == 0 and done < len(shapes):
                     say(f"compiled {done}/{len(shapes)} shapes ({time.perf_counter() - started:.0f}s)")
+        for shape in shapes:
+            self.costs[shape] = min(one(shape), one(shape))
         return time.perf_counter() - started
 
     def start(self) -> None:
@@ -151,23 +160,41 @@ class Batcher:
         waiting = [n for n in self.lengths if self._buckets[n]]
         if not waiting:
             return []
-        queue = self._buckets[min(waiting, key=lambda n: self._buckets[n][0].seq)]  # the oldest row's bucket
+        oldest = min(waiting, key=lambda n: self._buckets[n][0].seq)  # the oldest row's bucket
+        best: tuple[float, int, int] | None = None  # (cost per row, length, rows)
+        for length in (n for n in self.lengths if n >= oldest):
+            rows = min(self.max_batch, sum(len(self._buckets[n]) for n in waiting if n <= length))
+            per_row = self.cost(self._size(rows), length) / rows
+            if best is None or per_row < best[0]:
+                best = (per_row, length, rows)
+        assert best is not None
+        _, length, rows = best
+        eligible = [self._buckets[n] for n in waiting if n <= length]
         batch: list[tuple[_Job, int]] = []
-        while queue and len(batch) < self.max_batch:
-            row = queue.popleft()
+        while len(batch) < rows:
+            row = min((q for q in eligible if q), key=lambda q: q[0].seq).popleft()  # oldest first
             batch.append((row.job, row.index))
         return batch
+
+    def _size(self, rows: int) -> int:
+        return self.batch_sizes[bisect.bisect_left(self.batch_sizes, rows)]
+
+    def cost(self, size: int, length: int) -> float:
+        """Seconds a run of shape [size, length] took at warm-up (before it: proportional to size * length)."""
+        return self.costs.get((size, length), size * length * 1e-6)
 
     def _pad(self, batch: list[tuple[_Job, int]]) -> tuple[np.ndarray, np.ndarray]:
         rows = [job.rows[i] for job, i in batch]
         length = self._bucket(max(len(r) for r in rows))
-        size = self.batch_sizes[bisect.bisect_left(self.batch_sizes, len(rows))]
+        size = self._size(len(rows))
         tokens = np.full((size, length), self.pad_id, np.int32)
         mask = np.zeros((size, length), np.int32)
         for i, row in enumerate(rows):
             tokens[i, :len(row)] = row
             mask[i, :len(row)] = 1
         self.padded_rows += size - len(rows)
+        self.real_tokens += int(mask.sum())
+        self.run_tokens += mask.size
         return tokens, mask
 
     async def _work(self) -> None:
@@ -225,4 +252,6 @@ class Batcher:
         return {"batching": "dynamic" if self.dynamic else "off", "queued_rows": self.queued,
                 "max_queue_rows": self.max_queue, "batches": self.batches, "rows": self.rows_run,
                 "mean_batch_rows": round(self.rows_run / self.batches, 2) if self.batches else 0.0,
-                "padded_rows": self.padded_rows, "lengths": self.lengths, "batch_sizes": self.batch_sizes}
+                "padded_rows": self.padded_rows,
+                "real_token_share": round(self.real_tokens / self.run_tokens, 3) if self.run_tokens else 0.0,
+                "lengths": self.lengths, "batch_sizes": self.batch_sizes}

@@ -70,7 +70,7 @@ class Counts:
     answered: int = 0  # 200
     refused: int = 0  # a 4xx or 5xx with its one line
     gone: int = 0  # the client left before its answer was written
-    by_status: dict[int, int] = field(default_factory=dict)
+    by_status: dict[int, int] = field(default_factory=dict)  # of the answered and refused
 
     @property
     def in_flight(self) -> int:
@@ -237,6 +237,8 @@ class Service:
                            405: f"{request.method} is not allowed on {request.path}",
                            413: f"the body is over the limit of {self.limits.max_body_bytes} bytes"}
                 response = _error(err.status, message.get(err.status, err.reason))
+            except ConnectionError:  # the client left while its body was arriving: nobody to answer
+                response = _error(400, "the connection closed before the request arrived")
             except Exception as err:  # never the server's end: one line to the client and to the log
                 self.say(f"error: {request.method} {request.path}: {err.__class__.__name__}: {err}")
                 response = _error(500, f"internal error ({err.__class__.__name__}): the request was not served")
@@ -244,7 +246,8 @@ class Service:
                 transport = request.transport
                 if transport is None or transport.is_closing():
                     self.counts.gone += 1
-                elif response.status < 400:
+                    return response
+                if response.status < 400:
                     self.counts.answered += 1
                 else:
                     self.counts.refused += 1
