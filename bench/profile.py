@@ -5,6 +5,7 @@ and elementwise work.
     python -m bench.profile --shape 0       # the D=256 shape
     python -m bench.profile --attention chunked --length 4096 --batch 1
     python -m bench.profile --bert          # the BERT fine-tuning step of `python -m bench --only bert`
+    python -m bench.profile --quick         # the tiny benchmark shape (with --bert: a tiny BERT): a smoke run
 
 Runs the step under `jax.profiler.trace` with XLA's per-op trace events on, then maps each event
 back to its HLO instruction: a fusion whose metadata names `dot_general` is a matmul, `copy` and
@@ -33,7 +34,7 @@ from typing import Any
 
 import jax
 
-from bench.context import CPU_SHAPES
+from bench.context import CPU_SHAPES, QUICK_SHAPES
 from bench.flops import train_flops
 from bench.workloads import OursTrain, Shape, init_params, make_inputs, stack_config
 from jaxblock import xla_options
@@ -104,14 +105,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bert", action="store_true", help="profile the BERT fine-tuning step (bench/bert.py) instead")
     p.add_argument("--xla", action="append", default=[], metavar="KEY=VALUE",
                    help="an XLA compiler option for this compile, e.g. xla_cpu_experimental_ynn_fusion_type=")
+    p.add_argument("--quick", action="store_true",
+                   help="the tiny benchmark shape (with --bert, a one-layer BERT of vocabulary 500): seconds")
     try:
         args = p.parse_args(argv)
     except SystemExit as exit_:
         return 0 if exit_.code == 0 else 2
     xla_options.apply()  # this CPU kind's option set (as python -m bench and python -m train), before XLA starts
     if args.bert:
-        return _bert()
-    base = CPU_SHAPES[args.shape]
+        return _bert(args.quick)
+    base = QUICK_SHAPES[0] if args.quick else CPU_SHAPES[args.shape]
     shape = Shape(args.batch or base.n, args.length or base.length, base.d, base.h, base.f, base.k)
     cfg = stack_config(shape, scan=args.scan, remat=args.remat, attention=args.attention, dtype=args.dtype)
     x, valid = make_inputs(shape)
@@ -123,18 +126,22 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _bert() -> int:
-    """The BERT fine-tuning step (random MiniLM-shaped weights, batch 32 x 48, dropout 0.1)."""
+def _bert(quick: bool = False) -> int:
+    """The BERT fine-tuning step (random MiniLM-shaped weights, batch 32 x 48, dropout 0.1; quick: the
+    one-layer BERT of `python -m bench --quick`, batch 4 x 16)."""
     import json
     from pathlib import Path
 
     from bench.bert import OursFineTune, checkpoint, make_batch
 
+    n, length = (4, 16) if quick else (32, 48)
     with tempfile.TemporaryDirectory() as d:
-        checkpoint(Path(d), quick=False, source=None)
+        checkpoint(Path(d), quick=quick, source=None)
         vocab = int(json.loads((Path(d) / "config.json").read_text())["vocab_size"])
-        step = OursFineTune(Path(d), make_batch(32, 48, vocab))
-    _report(step, train_flops(step.config, 32, 48), "BERT 6x D384 N32 L48 dropout 0.1")
+        step = OursFineTune(Path(d), make_batch(n, length, vocab))
+    block = step.config.block
+    _report(step, train_flops(step.config, n, length),
+            f"BERT {step.config.num_layers}x D{block.model_dim} N{n} L{length} dropout {block.residual_dropout}")
     return 0
 
 
