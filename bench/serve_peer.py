@@ -40,7 +40,7 @@ class PipelineEngine:
 
     def describe(self) -> dict[str, Any]:
         return {"kind": "classifier", "labels": self.labels, "max_len": self.max_len, "outputs": ["probabilities"],
-                "export": self.directory, "batching": "off (transformers pipeline)", "queued_rows": self.queued,
+                "batching": "off (transformers pipeline)", "queued_rows": self.queued,
                 "torch_threads": self.threads}
 
     def offers(self, endpoint: str) -> str | None:

@@ -103,14 +103,15 @@ def test_without_dynamic_batching_each_request_runs_alone():
     assert artifact.shapes == [(2, 4)] * 5
 
 
-@pytest.mark.parametrize("overhead,want", [
-    (0.0, [[6, 2, 3, 7], [1, 2], [5, 8]]),  # cost proportional to size x length: short rows stay short
-    (1.0, [[6, 2, 3, 7], [1, 5, 8, 2]]),  # a large cost per run: the fuller batch at the longer length wins
+@pytest.mark.parametrize("overhead,big,want", [
+    (0.0, 1.0, [[6, 2, 3, 7], [1, 2], [5, 8]]),  # cost proportional to size x length: short rows stay short
+    (1.0, 1.0, [[6, 2, 3, 7], [1, 5, 8, 2]]),  # a large cost per run: the fuller batch at the longer length
+    (0.0, 3.0, [[6, 2], [3, 1], [7, 5], [8, 2]]),  # batches of 4 dearer per row than of 2: pairs, short ones short
 ])
-def test_each_batch_holds_the_oldest_row_and_costs_least_per_row(overhead, want):
+def test_each_batch_holds_the_oldest_row_and_costs_least_per_row(overhead, big, want):
     artifact = FakeArtifact()
     batcher = _batcher(artifact)
-    batcher.costs = {(b, n): overhead + b * n * 1e-3 for b in SIZES for n in LENGTHS}
+    batcher.costs = {(b, n): (overhead + b * n * 1e-3) * (big if b == 4 else 1.0) for b in SIZES for n in LENGTHS}
 
     async def go() -> list[list[int]]:
         rows = [np.ones(n, np.int32) for n in (6, 2, 3, 7, 1, 5, 8, 2)]  # buckets 8, 4, 4, 8, 4, 8, 8, 4

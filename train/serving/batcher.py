@@ -3,16 +3,14 @@
 Each text of a request is one row, tokenized and truncated by the export's tokenizer. A row waits in the
 queue of its length bucket (the smallest of `lengths` that holds it). Each model run takes the oldest
 waiting row and the batch around it that costs least per row: for each length L from the oldest row's
-bucket up, the oldest rows that fit in L (up to `max_batch`), padded to the smallest of `batch_sizes`
-that holds them, priced by the time that shape took at warm-up (`warm` compiles every shape, then times
-it). So rows are padded into a longer bucket only when the larger batch is cheaper per row: measured on
-the pretrained MiniLM export, one row alone cost 32-38 ms while 16 rows cost 7 ms each at 16 tokens, 13
-at 32 and 29 at 64. Every run uses a shape compiled at start. While one batch runs (in a worker thread:
-XLA releases the GIL), the next requests queue up, so batches grow with the load by themselves; no
-request waits for a timer.
+bucket up and each of `batch_sizes`, the oldest rows that fit in L, as many as the size holds, priced by
+the time that shape took at warm-up (`warm` compiles every shape, then times it). So a short row is padded
+into a longer bucket, and a batch grows, only where that is cheaper per row on this machine. Every run
+uses a shape compiled at start. While one batch runs (in a worker thread: XLA releases the GIL), the next
+requests queue up, so batches grow with the load by themselves; no request waits for a timer.
 
-The queue is bounded (`max_queue` rows): a request that does not fit is refused at once (QueueFullError, a 503
-for the HTTP layer), never dropped later. `dynamic=False` is the baseline without batching: each request
+The queue is bounded (`max_queue` rows): a request that does not fit is refused at once (QueueFullError, a
+503 for the HTTP layer), never dropped later. `dynamic=False` is the baseline without batching: each request
 runs alone, in arrival order, in the same shapes. `drain()` returns once every accepted row has run.
 """
 
@@ -163,10 +161,14 @@ class Batcher:
         oldest = min(waiting, key=lambda n: self._buckets[n][0].seq)  # the oldest row's bucket
         best: tuple[float, int, int] | None = None  # (cost per row, length, rows)
         for length in (n for n in self.lengths if n >= oldest):
-            rows = min(self.max_batch, sum(len(self._buckets[n]) for n in waiting if n <= length))
-            per_row = self.cost(self._size(rows), length) / rows
-            if best is None or per_row < best[0]:
-                best = (per_row, length, rows)
+            eligible = sum(len(self._buckets[n]) for n in waiting if n <= length)
+            for size in self.batch_sizes:  # a smaller batch may cost less per row (a CPU's caches)
+                rows = min(size, eligible)
+                per_row = self.cost(size, length) / rows
+                if best is None or (per_row, -rows) < (best[0], -best[2]):  # a tie: the fuller batch
+                    best = (per_row, length, rows)
+                if size >= eligible:
+                    break
         assert best is not None
         _, length, rows = best
         eligible = [self._buckets[n] for n in waiting if n <= length]

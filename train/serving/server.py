@@ -98,8 +98,9 @@ class ArtifactEngine:
 
     def describe(self) -> dict[str, Any]:
         a = self.artifact
-        return {"kind": a.kind, "labels": a.labels, "max_len": a.max_len, "outputs": a.outputs,
-                "export": str(a.directory), "source": a.manifest.get("source", {}), **self.batcher.stats()}
+        source = {k: v for k, v in a.manifest.get("source", {}).items() if k in ("step", "task", "init_from", "model")}
+        return {"kind": a.kind, "labels": a.labels, "max_len": a.max_len, "outputs": a.outputs, "source": source,
+                **self.batcher.stats()}  # no paths: a client need not learn the server's file layout
 
     def offers(self, endpoint: str) -> str | None:
         if endpoint == "/predict" and "probabilities" not in self.artifact.outputs:
