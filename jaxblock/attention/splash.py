@@ -151,8 +151,8 @@ def _sharded(run: Callable[..., jax.Array], q: jax.Array, k: jax.Array, v: jax.A
     g = k.shape[2]
     batch = layout.batch if n % layout.size(layout.batch) == 0 else ()
     heads = layout.heads if h % layout.size(layout.heads) == 0 and g % layout.size(layout.heads) == 0 else ()
-    if not batch and not heads:
-        return run(q, k, v, q_ids, kv_ids)
+    # Inside shard_map even when nothing divides (every device then runs the whole call): XLA cannot
+    # partition a Mosaic kernel on a mesh of several devices by itself.
     b, t = layout.entry(batch), layout.entry(heads)
     qs, rows = PartitionSpec(b, None, t, None), PartitionSpec(b, None)
     return jax.shard_map(
