@@ -159,6 +159,7 @@ def train(config: Any, length: int) -> tuple[list[float], Any]:
     return losses, jax.device_get(runner.unreplicate(state).params)
 
 
+@pytest.mark.slow
 def test_training_with_a_length_that_does_not_divide_equals_one_device(caplog: pytest.LogCaptureFixture) -> None:
     """14 tokens over context 4 are padded to 16 (said once) and masked: 3 SGD steps on data 2 x context 4 give
     one device's losses and parameters (SGD: the parameters carry every gradient)."""

@@ -78,6 +78,7 @@ def _run_docs_block(export: Path, cwd: Path) -> subprocess.CompletedProcess[str]
                           capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_docs_block_loads_the_export_without_model_code_and_equals_predict(exported, tmp_path, capsys):
     assert DOCS_BLOCK is not None and len(DOCS_BLOCK.group(1).strip().splitlines()) <= 15
     manifest = json.loads((exported / "manifest.json").read_text())
@@ -267,6 +268,7 @@ def test_export_of_a_transformers_checkpoint_gives_embeds_vectors(tmp_path):
     np.testing.assert_allclose(artifact.run(tokens, mask)["embeddings"], embed(texts, f"hf:{path}"), atol=2e-5)
 
 
+@pytest.mark.slow
 def test_format_hf_gives_transformers_our_predictions(tmp_path):
     pytest.importorskip("transformers")
     import torch

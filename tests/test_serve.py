@@ -282,6 +282,7 @@ def _start_server(args: list[str], env: dict[str, str] | None = None) -> tuple[s
     return proc, url
 
 
+@pytest.mark.slow
 def test_serve_a_run_then_sigterm_answers_every_accepted_request_and_exits_0(tmp_path):
     from conftest import tiny_config
 
