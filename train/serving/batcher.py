@@ -171,10 +171,10 @@ class Batcher:
                     break
         assert best is not None
         _, length, rows = best
-        eligible = [self._buckets[n] for n in waiting if n <= length]
+        queues = [self._buckets[n] for n in waiting if n <= length]
         batch: list[tuple[_Job, int]] = []
         while len(batch) < rows:
-            row = min((q for q in eligible if q), key=lambda q: q[0].seq).popleft()  # oldest first
+            row = min((q for q in queues if q), key=lambda q: q[0].seq).popleft()  # oldest first
             batch.append((row.job, row.index))
         return batch
 
