@@ -112,15 +112,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     run = _sections(bert_dir)
     meta = _meta(ctx, argv if argv is not None else sys.argv[1:])
-    meta |= {"cpu": machine.cpu, "cpu_kind": machine.kind, "xla_options": machine.as_dict()}
-    ctx.log(f"machine: {machine.describe()}")
+    from train.host_memory import status as malloc_status
+
+    described = f"{machine.describe()}; {malloc_status()}"
+    meta |= {"cpu": machine.cpu, "cpu_kind": machine.kind, "xla_options": machine.as_dict(), "malloc": malloc_status()}
+    ctx.log(f"machine: {described}")
     records = []
     for name in [s for s in SECTIONS if s in chosen]:
         ctx.log(f"== {name}")
         records += run[name](ctx)
     meta["loadavg_end"] = os.getloadavg()
     meta["wall_s"] = time.time() - meta["started"]
-    print(format_table(records, machine=machine.describe()))
+    print(format_table(records, machine=described))
     write_json(records, args.json, meta)
     ctx.log(f"wrote {len(records)} records to {args.json}")
     return 0
@@ -163,4 +166,7 @@ def _meta(ctx: Any, argv: list[str]) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
+    from train.host_memory import reexec_with_huge_pages
+
+    reexec_with_huge_pages()  # huge pages for XLA's per-step buffers (train/host_memory.py); before jax loads
     sys.exit(main())

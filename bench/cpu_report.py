@@ -151,7 +151,7 @@ def run_one(title: str, argv: list[str], log: TextIO | None = None) -> Outcome:
 
 
 def render(cpu: dict[str, str], vers: dict[str, str], git: str, xla: str, outcomes: list[Outcome],
-           today: datetime.date, quick: bool, complete: bool = True) -> str:
+           today: datetime.date, quick: bool, complete: bool = True, malloc: str = "") -> str:
     """The Markdown record."""
     model = cpu.get("Model name", "unknown CPU")
     flags = set(cpu.get("Flags", "").split())
@@ -167,7 +167,7 @@ def render(cpu: dict[str, str], vers: dict[str, str], git: str, xla: str, outcom
         + (f"; hypervisor {cpu['Hypervisor vendor']}" if "Hypervisor vendor" in cpu else "")
         + f"; flags include {', '.join(isa) if isa else 'none of ' + ', '.join(ISA_FLAGS[:4])}.",
         f"Versions: {', '.join(f'{k} {v}' for k, v in vers.items())}.",
-        f"XLA option set (jaxblock/xla_options.py): {xla}.",
+        f"XLA option set (jaxblock/xla_options.py): {xla}." + (f" {malloc[0].upper()}{malloc[1:]}." if malloc else ""),
         f"Written by `python -m bench.cpu_report{' --quick' if quick else ''}`: each block is one run of the named "
         f"command, one after the other; the load average (1, 5, 15 min) at the start was "
         f"{', '.join(f'{x:.2f}' for x in load)}. Absolute times move from run to run and with the machine's "
@@ -226,6 +226,10 @@ def main(argv: list[str] | None = None) -> int:
     from jaxblock import xla_options
 
     xla = xla_options.apply(env={k: v for k, v in os.environ.items()}).describe()
+    from train import host_memory
+
+    malloc = ("malloc: transparent huge pages (each command re-executes itself with glibc.malloc.hugetlb=1, "
+              "train/host_memory.py)" if host_memory.wanted() else host_memory.status())
     vers, git = versions(), git_state()
     outcomes: list[Outcome] = []
     complete = True
@@ -234,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
             outcomes.append(run_one(title, command))
     except KeyboardInterrupt:
         complete = False
-    out.write_text(render(cpu, vers, git, xla, outcomes, today, args.quick, complete))
+    out.write_text(render(cpu, vers, git, xla, outcomes, today, args.quick, complete, malloc))
     if not complete:
         print(f"python -m bench.cpu_report: interrupted; the finished commands are in {out}", file=sys.stderr)
         return 130

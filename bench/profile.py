@@ -18,6 +18,11 @@ from __future__ import annotations
 
 import os
 
+if __name__ == "__main__":  # huge pages for XLA's per-step buffers (train/host_memory.py), before jax loads
+    from train.host_memory import reexec_with_huge_pages
+
+    reexec_with_huge_pages()
+
 # Per-op trace events must be switched on before XLA starts.
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_enable_xprof_traceme=true").strip()
 
@@ -148,7 +153,9 @@ def _bert(quick: bool = False) -> int:
 def _report(step: Any, flops: int, title: str) -> None:
     groups, top = profile_step(step)
     wall = groups.pop("step (wall)")
-    print(f"machine: {xla_options.current().describe()}")
+    from train.host_memory import status as malloc_status
+
+    print(f"machine: {xla_options.current().describe()}; {malloc_status()}")
     print(f"{title}: step {wall:,.1f} ms, {flops / wall / 1e6:,.1f} GFLOP/s overall")
     busy = sum(groups.values())
     for kind, ms in sorted(groups.items(), key=lambda kv: -kv[1]):

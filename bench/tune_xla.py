@@ -125,4 +125,7 @@ def _tune(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
+    from train.host_memory import reexec_with_huge_pages
+
+    reexec_with_huge_pages()  # huge pages for XLA's per-step buffers (train/host_memory.py); before jax loads
     sys.exit(main())

@@ -25,10 +25,11 @@ def test_the_record_names_machine_versions_and_each_commands_output():
                 _outcome(["-m", "bench.tune_xla", "--dry-run"], "Traceback ...\nboom\n", 1),
                 _outcome(["-m", "bench.profile", "--bert"], "half a line", None)]
     text = cpu_report.render(CPU, {"jax": "0.10.2", "torch": "2.13.0"}, "abc1234", "XLA defaults", outcomes,
-                             datetime.date(2026, 12, 2), quick=False)
+                             datetime.date(2026, 12, 2), quick=False, malloc="malloc: glibc's defaults")
     assert text.startswith("# Intel(R) Xeon(R) Processor, 2 CPUs, measured 2026-12-02 on abc1234\n")
     assert "flags include avx2, fma, avx512f, avx512_bf16, amx_bf16, amx_tile." in text
-    assert "jax 0.10.2, torch 2.13.0" in text and "XLA option set (jaxblock/xla_options.py): XLA defaults" in text
+    assert "jax 0.10.2, torch 2.13.0" in text and "XLA option set (jaxblock/xla_options.py): XLA defaults." in text
+    assert "Malloc: glibc's defaults." in text
     for o in outcomes:
         assert f"## python {' '.join(o.argv)}\n" in text and o.output.strip() in text
     assert "exit 0;" in text and "**exit 1**" in text and "timed out" in text

@@ -305,4 +305,7 @@ def _main(argv: list[str], whole_process: bool) -> int:
 
 
 if __name__ == "__main__":
+    from train.host_memory import reexec_with_huge_pages
+
+    reexec_with_huge_pages()  # huge pages for XLA's per-step buffers (train/host_memory.py); before jax loads
     sys.exit(main())
