@@ -11,25 +11,33 @@ import subprocess
 import tempfile
 
 # Most of the suite's time is XLA compiling hundreds of tiny programs whose run time does not matter. For
-# the jaxlib the project pins, two CPU compiler settings halve that: LLVM optimisation level 0 and the
-# classic elemental emitters instead of the fusion emitters (the suite passes either way; an unknown flag
-# would abort XLA, so other jaxlib versions keep the defaults). The `python -m train` subprocesses of the
-# tests drop XLA_FLAGS and compile as users do.
+# the jaxlib the project pins, three CPU compiler settings cut that: LLVM optimisation level 0 and the
+# classic elemental emitters instead of the fusion emitters (together about half), and one LLVM module per
+# program instead of a split for parallel code generation (~7% of a small compile; the suite passes either
+# way; an unknown flag would abort XLA, so other jaxlib versions keep the defaults). The `python -m train`
+# subprocesses of the tests drop XLA_FLAGS and compile as users do.
 _FLAGS = "--xla_force_host_platform_device_count=8"
 if importlib.metadata.version("jaxlib").startswith("0.10."):
-    _FLAGS += " --xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+    _FLAGS += (" --xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+               " --xla_cpu_parallel_codegen_split_count=1")
 if _FLAGS not in os.environ.get("XLA_FLAGS", ""):  # xdist workers inherit the controller's flags
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FLAGS).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # One persistent compilation cache per session, shared by the xdist workers and the `python -m train`
 # subprocesses (they inherit the variable): every test that rebuilds a state from the same config compiles
-# the same programs (the in-memory jit cache misses on new optimizer closures). The cache key holds the
-# XLA flags, so the subprocesses' programs stay their own.
+# the same programs (the in-memory jit cache misses on new optimizer closures), and the two workers compile
+# many of the same small programs (eager operations, the shared tiny configs' steps). Every program is
+# written, however fast it compiled (JAX writes only those that took a second by default, we wrote those
+# over 0.5 s): a hit is one file read, and the suite took 159 s instead of 198 s on a 2-core AMD EPYC
+# (docs/performance-cpu.md). The directory is this run's own, made here and removed at exit, so nothing
+# another run, checkout or jaxlib compiled can be read (a JAX_COMPILATION_CACHE_DIR of the user's is used as
+# given); within the run an entry is keyed by the program, the XLA flags and jaxlib, and a file the other
+# worker is still writing reads as an error that JAX turns into a warning and a fresh compile.
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     _cache = tempfile.mkdtemp(prefix="jaxblock-test-xla-cache-")
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
     atexit.register(shutil.rmtree, _cache, ignore_errors=True)
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 # Only the jaxblock library is installed (pyproject): the `python -m train` subprocesses find the
 # checkout's train/ and bench/ through PYTHONPATH whatever directory the suite runs from.
 _checkout = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

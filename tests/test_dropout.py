@@ -10,19 +10,20 @@ import pytest
 
 from jaxblock.dropout import Dropout, bernoulli
 
-SHAPES = [(), (1,), (7,), (3, 5), (2, 3, 4, 5), (2, 1, 3, 1, 4)]
+# Shapes with odd sizes and axes of 1; each with its own key and p (0 and 1 included).
+CASES = [((), 0.9), ((7,), 0.5), ((3, 5), 0.0), ((2, 3, 4, 5), 1e-3), ((2, 1, 3, 1, 4), 1.0), ((4, 33), 0.9)]
 
 
 @pytest.mark.parametrize("make_key", [lambda s: jax.random.key(s), lambda s: jax.random.PRNGKey(s)],
                          ids=["typed", "raw"])
 def test_the_mask_is_jax_random_bernoullis(make_key):
-    for i, shape in enumerate(SHAPES):
-        key = jax.random.fold_in(make_key(i), 11) if i % 2 else make_key(i)
-        for p in (0.9, 0.5, 0.0, 1.0, 1e-3):
-            ours = jax.jit(bernoulli, static_argnums=(1, 2))(key, p, shape)
-            theirs = jax.random.bernoulli(key, p, shape)
-            assert ours.shape == theirs.shape == shape and ours.dtype == jnp.bool_
-            np.testing.assert_array_equal(ours, theirs, err_msg=f"{shape} p={p}")
+    def both(key):
+        return [(bernoulli(jax.random.fold_in(key, i), p, shape),
+                 jax.random.bernoulli(jax.random.fold_in(key, i), p, shape)) for i, (shape, p) in enumerate(CASES)]
+
+    for (shape, p), (ours, theirs) in zip(CASES, jax.jit(both)(make_key(3)), strict=True):
+        assert ours.shape == theirs.shape == shape and ours.dtype == jnp.bool_
+        np.testing.assert_array_equal(ours, theirs, err_msg=f"{shape} p={p}")
     # Not a coincidence of all-True masks: a mid p gives a mix.
     assert 0 < int(bernoulli(make_key(0), 0.5, (64,)).sum()) < 64
 

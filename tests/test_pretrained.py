@@ -226,12 +226,12 @@ def test_frozen_parameters_stay_and_keep_no_adam_state():
 
 def test_frozen_leaves_are_not_differentiated_and_the_step_equals_the_dense_one():
     """The trainer's step with optim.freeze takes no gradient of a frozen leaf: the same loss and the same
-    new parameters as differentiating every leaf and letting the optimizer zero the frozen ones, a zero
-    gradient in its place (grad_norm: the trained leaves' norm), and no pass over the frozen table in the
-    compiled program (only the parameter itself and its place in the output)."""
+    new parameters as differentiating every leaf and letting the optimizer zero the frozen ones, a smaller
+    grad_norm (the trained leaves' only), and no pass over the frozen table in the compiled program (only
+    the parameter itself and its place in the output), where the dense step has them."""
     from jaxblock import Classifier, EncoderConfig, unbox
     from train.loop.state import create_state
-    from train.loop.step import gradient_step, loss_fn_for, train_step
+    from train.loop.step import train_step
     from train.tasks import ClassificationTask
 
     vocab, width = 97, 12  # a table shape nothing else in the model has
@@ -241,36 +241,25 @@ def test_frozen_leaves_are_not_differentiated_and_the_step_equals_the_dense_one(
     tokens = jnp.array([[5, 17, 42, 0], [8, 9, 10, 11]], jnp.int32)
     batch = {"tokens": tokens, "valid_tokens": tokens > 0, "labels": jnp.array([0, 1], jnp.int32)}
     params = unbox(model.init(jax.random.key(0), tokens, batch["valid_tokens"]))["params"]
-    state = create_state(model, params, OptimConfig(freeze=["embedding"], warmup_steps=0, lr=0.1), 10)
-    assert state.frozen == ("embedding",)
-
-    def step(s):
-        new, loss, _, grads = gradient_step(s, loss_fn_for(task, s, batch, None))
-        return new, loss, grads
-
-    (new, loss, grads), (dense, dense_loss, dense_grads) = jax.jit(step)(state), jax.jit(step)(
-        state.replace(frozen=()))
-    assert float(loss) == float(dense_loss)
-    assert float(jnp.abs(dense_grads["encoder"]["embedding"]).max()) > 0  # the dense step does compute it
-    assert float(jnp.abs(grads["encoder"]["embedding"]).max()) == 0.0
-    np.testing.assert_array_equal(new.params["encoder"]["embedding"], params["encoder"]["embedding"])
+    frozen = create_state(model, params, OptimConfig(freeze=["embedding"], warmup_steps=0, lr=0.1), 10)
+    assert frozen.frozen == ("embedding",)
+    table = f"f32[{vocab},{width}]"
+    out = {}
+    table_before = np.asarray(params["encoder"]["embedding"])
+    for name, state in (("frozen", frozen), ("dense", frozen.replace(frozen=()))):
+        step = jax.jit(lambda s: train_step(task, s, batch, jax.random.key(0)), donate_argnums=(0,)).lower(
+            state).compile()  # donated, as the trainer's: the frozen table's output is its input buffer
+        passes = [line for line in step.as_text().splitlines() if table in line and " = " in line
+                  and " parameter(" not in line and " tuple(" not in line]
+        out[name] = (*step(jax.tree.map(jnp.copy, state)), passes)
+    (new, metrics, passes), (dense, dense_metrics, dense_passes) = out["frozen"], out["dense"]
+    assert not passes, passes[:3]
+    assert dense_passes  # the check above can see such a pass: the dense step computes the table's gradient
+    assert float(metrics["loss"]) == float(dense_metrics["loss"])
+    assert 0 < float(metrics["grad_norm"]) < float(dense_metrics["grad_norm"])
+    np.testing.assert_array_equal(new.params["encoder"]["embedding"], table_before)
     for a, b in zip(jax.tree.leaves(new.params), jax.tree.leaves(dense.params), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
-    trained = jax.tree.leaves({k: v for k, v in dense_grads["encoder"].items() if k != "embedding"}) + [
-        x for k, v in dense_grads.items() if k != "encoder" for x in jax.tree.leaves(v)]
-    metrics = jax.jit(lambda s: train_step(task, s, batch, jax.random.key(0))[1])(state)
-    np.testing.assert_allclose(metrics["grad_norm"], np.sqrt(sum(float(jnp.sum(g * g)) for g in trained)), rtol=1e-5)
-
-    hlo = jax.jit(lambda s: train_step(task, s, batch, jax.random.key(0)), donate_argnums=(0,)).lower(
-        state).compile().as_text()
-    table = f"f32[{vocab},{width}]"
-    passes = [line for line in hlo.splitlines() if table in line and " = " in line
-              and " parameter(" not in line and " tuple(" not in line]
-    assert not passes, passes[:3]
-    dense_hlo = jax.jit(lambda s: train_step(task, s, batch, jax.random.key(0))).lower(
-        state.replace(frozen=())).compile().as_text()
-    assert any(table in line and " parameter(" not in line and " tuple(" not in line
-               for line in dense_hlo.splitlines())  # the check above can see such a pass
 
 
 def test_freeze_naming_no_parameter_is_a_config_error():
