@@ -166,7 +166,8 @@ def _meta(ctx: Any, argv: list[str]) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    from train.host_memory import reexec_with_huge_pages
-
-    reexec_with_huge_pages()  # huge pages for XLA's per-step buffers (train/host_memory.py); before jax loads
+    # No huge pages here (unlike python -m train): PyTorch runs in this process too, and after its steps our
+    # D512 step's page faults cost ~15x the system time with glibc.malloc.hugetlb=1 (train/host_memory.py),
+    # so the ratio would measure that interplay. Both sides get glibc's defaults; `python -m bench.ab`
+    # measures what huge pages give our steps in processes of their own.
     sys.exit(main())

@@ -116,9 +116,10 @@ class TorchFineTune:
 
 
 class OursFineTune:
-    """Ours: from_hf of the same directory, the trainer's state, optimizer and train_step, jitted, donated."""
+    """Ours: from_hf of the same directory, the trainer's state, optimizer and train_step, jitted, donated.
+    `freeze`: optim.freeze's patterns (none here; bench.ab times the pretrained job's frozen token table)."""
 
-    def __init__(self, directory: Path, batch: dict[str, np.ndarray]):
+    def __init__(self, directory: Path, batch: dict[str, np.ndarray], freeze: tuple[str, ...] = ()):
         from jaxblock.interop.hf import from_hf
         from train.config import OptimConfig
         from train.loop.state import create_state
@@ -127,7 +128,8 @@ class OursFineTune:
 
         self.config, variables = from_hf(directory)
         task = ClassificationTask()
-        optim = OptimConfig(lr=LR, schedule="constant", warmup_steps=0, weight_decay=WEIGHT_DECAY, clip_norm=CLIP)
+        optim = OptimConfig(lr=LR, schedule="constant", warmup_steps=0, weight_decay=WEIGHT_DECAY, clip_norm=CLIP,
+                            freeze=list(freeze))
         params = jax.tree.map(jnp.asarray, variables["params"])
         self.state = create_state(task.build_model(self.config), params, optim, total_steps=1000)
         self.batch = {k: jnp.asarray(v) for k, v in batch.items()}

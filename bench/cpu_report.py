@@ -1,6 +1,6 @@
 """python -m bench.cpu_report: every speed measurement of this repository on this machine, as one Markdown record.
 
-    python -m bench.cpu_report                      # ~10-15 min on a 2-core CPU; writes bench/records/<cpu>-<date>.md
+    python -m bench.cpu_report                      # ~12-15 min on a 2-core CPU; writes bench/records/<cpu>-<date>.md
     python -m bench.cpu_report --out record.md      # somewhere else
     python -m bench.cpu_report --quick              # tiny shapes: a smoke run of a minute or two
 
@@ -10,6 +10,7 @@ It runs, one after the other, each in its own process (so each starts XLA with t
     python -m bench.tune_xla --dry-run                                        # the XLA candidates (nothing saved)
     python -m bench.profile --shape 1                                         # where the D=512 step's time goes
     python -m bench.profile --bert                                            # the same for the BERT step
+    python -m bench.ab                                                        # each change vs its absence
 
 and writes the machine (`lscpu`'s model name, cores, the vector and matrix ISA flags, the XLA option set),
 the versions (Python, jax, jaxlib, flax, torch, transformers, the git commit and whether the tree was
@@ -67,6 +68,7 @@ def commands(quick: bool) -> list[tuple[str, list[str]]]:
         ("where the Pre-LN training step's time goes" + ("" if quick else " at N8 L256 D512")
          + " (the trace slows the step)", ["-m", "bench.profile", "--shape", "1", *q]),
         ("where the BERT fine-tuning step's time goes", ["-m", "bench.profile", "--bert", *q]),
+        ("this round's changes, each against its absence, interleaved", ["-m", "bench.ab", *q]),
     ]
 
 
@@ -228,8 +230,9 @@ def main(argv: list[str] | None = None) -> int:
     xla = xla_options.apply(env={k: v for k, v in os.environ.items()}).describe()
     from train import host_memory
 
-    malloc = ("malloc: transparent huge pages (each command re-executes itself with glibc.malloc.hugetlb=1, "
-              "train/host_memory.py)" if host_memory.wanted() else host_memory.status())
+    malloc = ("malloc: transparent huge pages for the commands that run only JAX (glibc.malloc.hugetlb=1, "
+              "train/host_memory.py); glibc's defaults for `python -m bench`, which times PyTorch in the same "
+              "process" if host_memory.wanted() else host_memory.status())
     vers, git = versions(), git_state()
     outcomes: list[Outcome] = []
     complete = True

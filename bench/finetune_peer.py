@@ -129,7 +129,4 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    from train.host_memory import reexec_with_huge_pages
-
-    reexec_with_huge_pages()  # the same malloc as python -m train gets (train/host_memory.py)
-    main()
+    main()  # glibc's defaults, as a transformers user runs it

@@ -266,3 +266,25 @@ def test_bench_argument_types_refuse_bad_values_with_what_to_pass():
     for bad in ("-1", "0", "nan", "abc"):
         with pytest.raises(argparse.ArgumentTypeError, match=f"'{bad}' is not a learning rate"):
             rate(bad)
+
+
+@pytest.mark.slow  # three compiles and four child processes
+def test_ab_times_each_change_against_its_absence(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "bench.ab", "--quick", "--reps", "2", "--rounds", "1"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| ") and "---" not in line][1:]
+    assert [r.split(":")[0] for r in rows] == ["| freeze", "| dropout", "| huge pages", "| huge pages"]
+    for row in rows:
+        before, after, ratio = (cell.strip() for cell in row.split("|")[2:5])
+        assert float(before) > 0 and float(after) > 0 and ratio.endswith("x")
+    assert proc.stdout.startswith("machine: ")
+
+
+@pytest.mark.parametrize("argv", [["--only", "nope"], ["--reps", "0"], ["--rounds", "-1"]])
+def test_ab_bad_usage_exits_2_with_one_line(argv, capsys):
+    from bench.ab import main as ab_main
+
+    assert ab_main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("python -m bench.ab: ") and "\n" not in err

@@ -14,6 +14,13 @@ faults a step, the same memory. Keeping the freed block instead (one arena, no m
 left out: glibc 2.36's aligned allocation cannot reuse a freed block of exactly the size it asks for
 again, so the heap grew by the block every few steps.
 
+Not for a process that also runs PyTorch: timed interleaved with PyTorch's eager step in one process, the
+N8 L256 D512 step took 850-1,080 ms instead of 530-590 ms alone, with the same page faults but 590-790 ms of
+system time instead of 40-70 (AMD EPYC, 2026-12-02); with glibc's defaults it took 650-770 ms either way.
+So `python -m bench`, which times both libraries in one process, and the transformers peer keep glibc's
+defaults; the commands that run only JAX re-execute (`python -m train`, bench.profile, bench.tune_xla,
+bench.ab's children).
+
 The tunable is read only when a process starts, hence the re-execution (same process id, arguments,
 standard streams; one extra interpreter start before any heavy import). It happens only where it can
 act: Linux, glibc 2.35 or later, transparent huge pages not switched off; never when GLIBC_TUNABLES
