@@ -14,8 +14,6 @@ import argparse
 import sys
 
 import numpy as np
-from sklearn.feature_extraction.text import CountVectorizer
-from sklearn.naive_bayes import MultinomialNB
 
 from train.config import ConfigError, DataConfig, load_config
 from train.data.labelled import DataError, Dataset, load_dataset
@@ -23,6 +21,9 @@ from train.data.labelled import DataError, Dataset, load_dataset
 
 def naive_bayes_accuracy(ds: Dataset) -> dict[str, float]:
     """Fit on the train split; accuracy on validation and test, with the majority-class rate for scale."""
+    from sklearn.feature_extraction.text import CountVectorizer  # ~1.5 s to import: only when measuring
+    from sklearn.naive_bayes import MultinomialNB
+
     # \w+ rather than scikit-learn's default \w\w+: single-character tokens ("I", the synthetic symbols)
     # are words too.
     vectorizer = CountVectorizer(ngram_range=(1, 2), token_pattern=r"(?u)\b\w+\b")
