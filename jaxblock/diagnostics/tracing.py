@@ -137,9 +137,17 @@ def trace(
 
 
 def block_paths(model: nn.Module, variables: Mapping[str, Any], batch: Batch) -> list[Path]:
-    """The blocks' module paths in call order, from one forward pass (concrete, not abstract:
-    models may check their inputs' values, e.g. token ids against the vocabulary)."""
-    return trace(model, variables, batch).paths
+    """The blocks' module paths in call order, from one abstract forward pass (jax.eval_shape: nothing is
+    compiled or run; the model sees its inputs as a jitted step does)."""
+    found: list[Path] = []
+
+    def forward(v: Mapping[str, Any], b: dict[str, Any]) -> Any:
+        t = trace(model, v, b)
+        found.extend(t.paths)
+        return t.output
+
+    jax.eval_shape(forward, variables, dict(batch))
+    return found
 
 
 def subtree(tree: Any, path: Path) -> Any:
