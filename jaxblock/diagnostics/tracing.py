@@ -87,8 +87,9 @@ def trace(
     """Run `model` (already `prepare`d) and capture every block boundary.
 
     deltas: B arrays [N, L, D] added to each block's input, so that the gradient with respect to
-    them is the gradient at each layer's input. Runs eagerly on purpose: XLA's CPU compile of these
-    small graphs costs more than running them op by op, and ops of equal shapes compile once.
+    them is the gradient at each layer's input. Works eagerly and under jit: the checks call it op by op
+    (each runs a handful of one-off variants, and ops of equal shapes compile once); the measures that
+    `train.diagnostics_every` repeats with the same shapes compile it (diagnostics/measures.py).
     """
     paths: list[Path] = []
     inputs: list[jax.Array] = []
