@@ -12,7 +12,8 @@ checked on this CPU in Pallas interpret mode: the same function as the dense ker
 - The whole encoder, scanned and unrolled, with per-layer windows: splash equals the dense kernel.
 
 Interpret mode runs the kernels' Python per block: the default suite keeps a few small examples, the
-grid (more examples, several key blocks) and the whole-encoder cases are marked slow.
+grid (more examples, several key blocks), the whole-encoder cases and the packed-segment cases of the CPU
+kernels are marked slow.
 """
 
 from __future__ import annotations
@@ -170,15 +171,29 @@ KERNELS = ["dense", "chunked", "xla", "unfused", "splash", "pallas_gpu"]
 
 
 def _encoder(attention: str, **extra: Any) -> tuple[Encoder, Any]:
+    """The model with this kernel, and the parameters (the same tree for every kernel) of the dense one."""
+    return _model(attention, **extra), _params(tuple(sorted(extra.items())))
+
+
+def _model(attention: str, **extra: Any) -> Encoder:
     fields: dict[str, Any] = dict(num_layers=2, vocab_size=V, max_len=L, positions="learned") | extra
-    cfg = EncoderConfig(**fields, block=dict(model_dim=16, num_heads=4, num_kv_heads=2, ffn_dim=32,
-                                             attention=attention, attn_chunk_size=8))
-    model = Encoder(cfg)
+    return Encoder(EncoderConfig(**fields, block=dict(model_dim=16, num_heads=4, num_kv_heads=2, ffn_dim=32,
+                                                      attention=attention, attn_chunk_size=8)))
+
+
+@functools.cache
+def _params(extra: tuple[tuple[str, Any], ...]) -> Any:
+    """Initialised once per stack layout, in one compiled program (op by op compiles every init operation)."""
     tokens = jnp.ones((1, L), jnp.int32)
-    return model, unbox(model.init(jax.random.key(0), tokens, tokens > 0))["params"]
+    return unbox(jax.jit(_model("dense", **dict(extra)).init)(jax.random.key(0), tokens, tokens > 0))["params"]
 
 
-@pytest.mark.parametrize("attention", KERNELS)
+# The CPU kernels' segment handling is checked in the default suite by tests/test_attention.py
+# (test_segments_never_see_each_other and the segment cases of test_every_implementation_matches_the_reference,
+# every CPU kernel) and through whole models by the packed-row tests of tests/test_model.py and
+# tests/test_per_layer_attention.py: here, where they would only add compiles, they run under -m slow.
+@pytest.mark.parametrize("attention", [k if k in ("splash", "pallas_gpu") else pytest.param(k, marks=pytest.mark.slow)
+                                       for k in KERNELS])
 def test_packed_segments_equal_each_segment_alone(attention: str) -> None:
     """Two examples packed in one row, then padding: each segment's outputs equal that example run alone."""
     model, params = _encoder(attention)
