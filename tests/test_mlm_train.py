@@ -83,20 +83,26 @@ def run_steps(parallel: str, steps: int = 5, **block: Any) -> np.ndarray:
 def test_sums_count_chosen_real_tokens_only_and_match_full_logits() -> None:
     config = mlm_config({"strategy": "single"})
     model = TASK.build_model(config.model)
-    params = init_params(model, 0, L)
     batch = packed_batch(0)
-    out = TASK.apply(model.apply, params, batch, train=False, rng=None)
-    sums = TASK.sums(out, batch)
     chosen = batch["mlm_weights"] > 0
+    # Changing an unchosen token's target (or a padding row's) must change nothing.
+    other = dict(batch, mlm_targets=np.where(chosen, batch["mlm_targets"], 7).astype(np.int32))
+
+    @jax.jit  # one program, not an eager compile of every operation of the model
+    def outputs(batch: dict[str, Any], other: dict[str, Any]) -> tuple[Any, ...]:
+        params = init_params(model, 0, L)
+        out = TASK.apply(model.apply, params, batch, train=False, rng=None)
+        full = model.apply({"params": params}, batch["tokens"], batch["valid_tokens"],
+                           segment_ids=batch["segment_ids"])
+        # the diagnostics' form: logits at every position
+        return TASK.sums(out, batch), TASK.sums(full, batch), TASK.sums(out, other), TASK.loss(out, batch)
+
+    sums, ref, other_sums, loss = outputs(batch, other)
     assert int(sums["count"]) == int(chosen.sum()) > 0 and not chosen[~batch["valid_tokens"]].any()
-    full = model.apply({"params": params}, batch["tokens"], batch["valid_tokens"], segment_ids=batch["segment_ids"])
-    ref = TASK.sums(full, batch)  # the diagnostics' form: logits at every position
     np.testing.assert_allclose(float(sums["loss_sum"]), float(ref["loss_sum"]), rtol=1e-5)
     assert int(sums["correct"]) == int(ref["correct"])
-    # Changing an unchosen token's target (or a padding row's) changes nothing.
-    other = dict(batch, mlm_targets=np.where(chosen, batch["mlm_targets"], 7).astype(np.int32))
-    assert float(TASK.sums(out, other)["loss_sum"]) == float(sums["loss_sum"])
-    assert 0 < float(TASK.loss(out, batch)) < 2 * np.log(V)
+    assert float(other_sums["loss_sum"]) == float(sums["loss_sum"])
+    assert 0 < float(loss) < 2 * np.log(V)
 
 
 @pytest.mark.slow  # three compiles; the task sums test stays in the default suite
@@ -123,7 +129,9 @@ def tiny_config(tmp_path: Path, *overrides: str) -> Config:
 
 
 def test_stream_source_restores_its_position_and_evaluates_the_same_rows(tmp_path: Path) -> None:
-    config = tiny_config(tmp_path)
+    # A window of 128 examples, not 1024: filling the window (every stream, each evaluation) was most of
+    # the test's time, and five steps of 32 rows now cross a window refill.
+    config = tiny_config(tmp_path, "data.shuffle_window=128")
     corpus = load_corpus(config)
     a = StreamBatches(corpus, config)
     for step in range(3):
