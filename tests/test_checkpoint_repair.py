@@ -12,16 +12,18 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import jax
 import numpy as np
 import pytest
-from conftest import updated_state
 from fault_stress import array_file_it_reads
 
+from jaxblock import Classifier
 from train.checkpoints.repair import DAMAGE_NOTE, committed_steps, restore_newest_good
 from train.checkpoints.store import CHECKPOINT_DIR, Checkpoints, DamagedCheckpointError, check_compatible
 from train.config import Config, load_config
+from train.loop.state import abstract_init, create_state
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -31,12 +33,29 @@ def _config() -> Config:
     return cfg.model_copy(update={"model": cfg.model.model_copy(update={"vocab_size": 16, "num_classes": 2})})
 
 
+def _updated_states(cfg: Config, steps: tuple[int, ...]) -> dict[int, Any]:
+    """What conftest.updated_state makes at each step (the state after one update with random gradients,
+    so that the Adam moments are arrays worth storing), from host random parameters and gradients (seed =
+    step) and one compiled update: compiling its per-leaf random draws took ~5 s, eager ones longer."""
+    model = Classifier(cfg.model)
+    shapes = abstract_init(model, 0, cfg.data.buckets[-1])[0]
+    update = jax.jit(lambda params, grads, step: create_state(model, params, cfg.optim, cfg.train.steps)
+                     .apply_gradients(grads=grads).replace(step=step))
+    out = {}
+    for step in steps:
+        rng = np.random.default_rng(step)
+        params, grads = (jax.tree.map(lambda x: rng.normal(0, scale, x.shape).astype(x.dtype), shapes)
+                         for scale in (0.1, 1.0))
+        out[step] = update(params, grads, np.int32(step))
+    return out
+
+
 @pytest.fixture(scope="module")
 def states(tmp_path_factory):
     """Three TrainStates of distinct parameters (seed = step) and a workdir holding them as checkpoints
     10, 20, 30, made once: each test damages a copy."""
     cfg = _config()
-    states = {s: updated_state(cfg, s, seed=s) for s in (10, 20, 30)}
+    states = _updated_states(cfg, (10, 20, 30))
     template = tmp_path_factory.mktemp("saved")
     ckpts = Checkpoints(template, cfg.checkpoint)
     for state in states.values():
@@ -165,8 +184,8 @@ RESUME = """
 import json, sys
 sys.path.insert(0, sys.argv[2])
 from pathlib import Path
-from conftest import updated_state
 from train.checkpoints.store import Checkpoints, read_run_config
+from jaxblock import Classifier
 from train.checkpoints.repair import restore_newest_good
 workdir = Path(sys.argv[1])
 cfg = read_run_config(workdir)
