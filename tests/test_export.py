@@ -56,14 +56,16 @@ def _export(workdir: Path, *extra: str) -> Path:
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory) -> Path:
-    """A tiny run (the reference run's config: its compiled programs are in the suite's cache), exported with
-    the defaults. Not the shared reference run itself, so this file runs beside that group."""
+    """A tiny run (the reference run's model and steps: its compiled programs are in the suite's cache),
+    exported with the defaults. Not the shared reference run itself, so this file runs beside that group."""
     from conftest import tiny_config
 
     from train import run
 
     workdir = tmp_path_factory.mktemp("export") / "run"
-    run.train(tiny_config(), workdir)
+    # The reference run's steps (the same train step program), without its diagnostics and step-5
+    # validation and checkpoint, which nothing here reads.
+    run.train(tiny_config("train.diagnostics_every=0", "train.eval_every=10", "checkpoint.every=10"), workdir)
     return _export(workdir)
 
 
