@@ -7,6 +7,7 @@ NaN in block 3's FFN. Every model uses the same small shapes so that eager op co
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import flax.linen as nn
@@ -67,6 +68,27 @@ def classifier(norm: str = "pre", **stack: Any) -> Classifier:
 def init(model: nn.Module, batch: dict[str, jax.Array], seed: int = 0) -> Any:
     x = batch["x"] if "x" in batch else batch["tokens"]
     return nn.unbox(model.init(jax.random.key(seed), x, batch["valid_tokens"]))
+
+
+@functools.cache
+def _shared_variables(kind: str) -> Any:
+    model = stack() if kind == "stack" else classifier()
+    return init(model, float_batch() if kind == "stack" else token_batch())
+
+
+def stack() -> EncoderStack:
+    return EncoderStack(StackConfig(num_layers=B, block=BLOCK))
+
+
+def stack_variables() -> Any:
+    """Variables of stack() (and of every variant with its parameter tree: VariantStack has EncoderStack's
+    layout) on float_batch(), initialised once: a fresh copy of the containers, for tests that edit them."""
+    return jax.tree.map(lambda a: a, _shared_variables("stack"))
+
+
+def classifier_variables() -> Any:
+    """Variables of classifier() on token_batch(), initialised once (a fresh copy of the containers)."""
+    return jax.tree.map(lambda a: a, _shared_variables("classifier"))
 
 
 # --- variants: the defects users actually write ---------------------------------------------------
@@ -148,9 +170,9 @@ def test_all_checks_pass_on_the_classifier(norm: str) -> None:
 def test_all_checks_pass_on_a_scanned_stack_and_match_the_unrolled_one() -> None:
     batch = float_batch()
     scanned = EncoderStack(StackConfig(num_layers=B, scan_layers=True, block=BLOCK))
-    unrolled = EncoderStack(StackConfig(num_layers=B, block=BLOCK))
+    unrolled = stack()
     # A stacked tree (leading [B] axis), made without compiling the scanned init.
-    variables = stack_layer_params(init(unrolled, batch))
+    variables = stack_layer_params(stack_variables())
     assert variables["params"]["layers"]["ffn"]["linear2"]["kernel"].shape == (B, F, D)
     results: list[Any] = [*checks(scanned, variables, batch).values(),
                           dg.train_eval_determinism(scanned, variables, batch),
@@ -167,7 +189,7 @@ def test_the_variant_harness_itself_is_correct() -> None:
     """The unmodified block in the test harness passes: the failures below come from the defects."""
     batch = float_batch()
     model = variant(EncoderBlock)
-    results = checks(model, init(model, batch), batch)
+    results = checks(model, stack_variables(), batch)
     assert all(r.passed for r in results.values()), "\n".join(map(str, results.values()))
 
 
@@ -177,7 +199,7 @@ def test_the_variant_harness_itself_is_correct() -> None:
 def test_padding_invariance_catches_a_removed_key_mask() -> None:
     batch = float_batch()
     model = variant(NoKeyMaskBlock)
-    results = checks(model, init(model, batch), batch)
+    results = checks(model, stack_variables(), batch)
     assert not results["padding_invariance"].passed
     assert results["sublayer_ablation"].passed and results["structure"].passed
     failed = [name for name, ok, _ in results["padding_invariance"].parts if not ok]
@@ -188,7 +210,7 @@ def test_padding_invariance_catches_it_in_pooled_logits_too() -> None:
     """Same defect seen through a classifier: the pooled logits move."""
     batch = token_batch()
     good = classifier()
-    variables = init(good, batch)
+    variables = classifier_variables()
 
     def no_mask(next_fun: Any, args: Any, kwargs: Any, ctx: Any) -> Any:
         if ctx.module.name == "self_attn" and ctx.method_name == "__call__":
@@ -224,7 +246,7 @@ def test_structure_catches_a_norm_after_the_pre_ln_add() -> None:
 def test_structure_catches_one_norm_shared_by_both_sublayers() -> None:
     batch = float_batch()
     model = variant(SharedNormBlock)
-    results = checks(model, init(model, batch), batch)
+    results = checks(model, init(model, batch), batch)  # its own tree: no ffn_norm parameters
     assert results["padding_invariance"].passed and results["sublayer_ablation"].passed
     assert not results["structure"].passed
     assert "ffn_norm missing" in results["structure"].summary()
@@ -275,7 +297,7 @@ def test_a_rewired_block_with_the_same_names_fails_the_wiring_checks(block: type
     batch = float_batch()
     model = variant(block)
     variables = init(model, batch)
-    reference = init(variant(EncoderBlock), batch)
+    reference = stack_variables()  # the library's stack: the unmodified block's tree
     assert jax.tree.structure(variables) == jax.tree.structure(reference)
     result = dg.structure(model, variables, batch)
     parts = {n: ok for n, ok, _ in result.parts}
@@ -288,7 +310,7 @@ def test_a_rewired_block_with_the_same_names_fails_the_wiring_checks(block: type
 def test_first_nonfinite_names_block_3_ffn() -> None:
     batch = token_batch()
     model = classifier()
-    variables = init(model, batch)
+    variables = classifier_variables()
     assert dg.first_nonfinite(model, variables, batch).passed
     kernel = variables["params"]["encoder"]["stack"]["layers_3"]["ffn"]["linear1"]["kernel"]
     variables["params"]["encoder"]["stack"]["layers_3"]["ffn"]["linear1"]["kernel"] = kernel.at[2, 5].set(jnp.nan)
@@ -321,8 +343,8 @@ def test_first_nonfinite_follows_the_post_ln_execution_order() -> None:
 def test_residual_ratio_scales_with_the_branch_and_fails_above_the_limit() -> None:
     """Scaling layer 1's attention out projection by 10 scales exactly its attention ratio by 10."""
     batch = float_batch()
-    model = EncoderStack(StackConfig(num_layers=B, block=BLOCK))
-    variables = init(model, batch)
+    model = stack()
+    variables = stack_variables()
     base = dg.residual_ratios(model, variables, batch)
     out = variables["params"]["layers_1"]["self_attn"]["out"]
     scaled = jax.tree.map(lambda p: p * 10.0, out)
@@ -341,15 +363,15 @@ def test_residual_ratio_scales_with_the_branch_and_fails_above_the_limit() -> No
 
 def test_grad_norms_match_direct_gradients() -> None:
     batch = float_batch()
-    model = EncoderStack(StackConfig(num_layers=B, block=BLOCK))
-    variables = init(model, batch)
+    model = stack()
+    variables = stack_variables()
     g = dg.grad_norms_by_depth(model, variables, batch, projection_loss)
 
     def loss(params: Any, x: jax.Array) -> jax.Array:
         out: Any = model.apply({"params": params}, x, batch["valid_tokens"])
         return projection_loss(out, batch)
 
-    gp, gx = jax.grad(loss, argnums=(0, 1))(variables["params"], batch["x"])
+    gp, gx = jax.jit(jax.grad(loss, argnums=(0, 1)))(variables["params"], batch["x"])  # one compile, not ~100
     np.testing.assert_allclose(g.input_grad[0], np.linalg.norm(gx), rtol=1e-5)
     for i in range(B):
         leaves = jax.tree.leaves(gp[f"layers_{i}"])
