@@ -7,6 +7,7 @@ stack compute the same, for every CPU kernel and with remat.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import flax.linen as nn
@@ -39,10 +40,16 @@ def _init(cfg: EncoderConfig, model: Any = Encoder) -> Any:
     return nn.unbox(model(cfg).init(jax.random.key(0), TOKENS, VALID))
 
 
+@functools.cache
+def _variables() -> Any:
+    """The variables of Encoder(_cfg()), initialised once: every kernel has this parameter tree (read only)."""
+    return _init(_cfg())
+
+
 @pytest.mark.parametrize("attention", ["xla", pytest.param("unfused", marks=pytest.mark.slow), "chunked"])
 def test_scan_and_remat_equal_the_unrolled_stack(attention: str) -> None:
     cfg = _cfg(attention)
-    variables = _init(cfg)
+    variables = _variables()
     want = np.asarray(Encoder(cfg).apply(variables, TOKENS, VALID))
     scanned = cfg.model_copy(update={"scan_layers": True, "remat": "full"})
     got = np.asarray(Encoder(scanned).apply({"params": stack_layer_params(variables["params"])}, TOKENS, VALID))
@@ -50,8 +57,7 @@ def test_scan_and_remat_equal_the_unrolled_stack(attention: str) -> None:
 
 
 def test_every_kernel_computes_the_same_windows() -> None:
-    outs = {a: np.asarray(Encoder(_cfg(a)).apply(_init(_cfg("xla")), TOKENS, VALID)) for a in ("xla", "unfused",
-                                                                                             "chunked")}
+    outs = {a: np.asarray(Encoder(_cfg(a)).apply(_variables(), TOKENS, VALID)) for a in ("xla", "unfused", "chunked")}
     for a in ("unfused", "chunked"):
         np.testing.assert_allclose(outs[a][np.asarray(VALID)], outs["xla"][np.asarray(VALID)], atol=2e-6)
 
@@ -60,7 +66,7 @@ def test_a_window_is_the_attention_mask_it_stands_for_and_each_setting_matters()
     """One windowed layer equals the same layer given |i - j| <= w as an explicit attn_mask; dropping any
     per-layer setting changes the output (so none is silently ignored)."""
     cfg = _cfg()
-    variables = _init(cfg)
+    variables = _variables()
     out = np.asarray(Encoder(cfg).apply(variables, TOKENS, VALID))
     one = _cfg(num_layers=1, layer_windows=(2,), layer_rope_bases=(100.0,), layer_attn_norm=None)
     v1 = _init(one)
@@ -87,7 +93,7 @@ def test_padding_changes_no_real_output_or_logit(scan: bool) -> None:
 
 def test_a_packed_row_equals_its_examples_run_separately() -> None:
     cfg = _cfg()
-    variables = _init(cfg)
+    variables = _variables()
     first, second = [3, 1, 4, 1, 5], [9, 2, 6, 5]
     packed = jnp.asarray([first + second + [0] * 3], jnp.int32)
     seg = jnp.asarray([[0] * 5 + [1] * 4 + [0] * 3], jnp.int32)
@@ -153,7 +159,7 @@ def test_non_finite_padding_reaches_no_gradient_of_a_per_layer_stack(attention: 
                                                attn_chunk_size=4), **PER_LAYER)
     stack = EncoderStack(cfg)
     x = jnp.asarray(np.random.default_rng(1).normal(size=(N, L, 16)), jnp.float32)
-    params = nn.unbox(stack.init(jax.random.key(0), x, VALID))["params"]
+    params = _variables()["params"]["stack"]  # the Encoder's stack: the same parameter tree
     weights = jnp.asarray(np.random.default_rng(2).normal(size=(N, L, 16)), jnp.float32)
 
     def loss(p: Any, inputs: jax.Array) -> tuple[jax.Array, jax.Array]:
