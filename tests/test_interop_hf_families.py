@@ -149,8 +149,13 @@ def test_a_toy_family_registered_from_a_test_file_converts(tmp_path: Path) -> No
         cfg = EncoderConfig.model_validate(_toy_fields(toy.config({"depth": 3}), None))
         tokens, valid, _ = tiny_batch()
         tokens = tokens % cfg.vocab_size
-        init = nn.unbox(Encoder(cfg).init(jax.random.key(1), jnp.asarray(tokens), jnp.asarray(valid)))
-        variables = {"params": jax.tree.map(lambda a: np.asarray(a) + 0.1, init["params"])}  # norms off 1
+        # Random values of the init's shapes (an eager init compiles every operation): norms off 1.
+        shapes = nn.unbox(jax.eval_shape(Encoder(cfg).init, jax.random.key(1), jnp.asarray(tokens),
+                                         jnp.asarray(valid)))
+        rng = np.random.default_rng(1)
+        variables = {"params": jax.tree.map(lambda a: (1.0 + 0.2 * rng.standard_normal(a.shape)).astype(a.dtype)
+                                            if len(a.shape) == 1 else (0.2 * rng.standard_normal(a.shape))
+                                            .astype(a.dtype), shapes["params"])}
         weights = hf.state_dict(cfg, variables, family="toy")  # our params under the toy's names
         assert weights["blk0.qkv.weight"].shape == (3 * 16, 16)  # fused q/k/v rows, as the toy stores them
         save_file(weights, str(tmp_path / "model.safetensors"))
