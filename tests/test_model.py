@@ -261,9 +261,11 @@ def test_a_packed_row_equals_its_examples_run_separately():
     cfg = _ecfg()
     params = _classifier_params(cfg)
     first, second = [3, 1, 4], [5, 9]
-    packed = jnp.array([first + second + [0]], jnp.int32)  # [N=1, L=6]
-    seg = jnp.array([[0, 0, 0, 1, 1, 0]], jnp.int32)
-    valid = jnp.array([[True] * 5 + [False]])
+    # Row 0 packs the two examples; row 1 is TOKENS' full row 1 (one segment), so the batch has the file's
+    # shared [N=2, L=6] shape and reuses its compiled operations.
+    packed = jnp.array([first + second + [0], TOKENS[1].tolist()], jnp.int32)
+    seg = jnp.array([[0, 0, 0, 1, 1, 0], [0] * L], jnp.int32)
+    valid = jnp.array([[True] * 5 + [False], [True] * L])
     alone = jnp.array([first + [0] * 3, second + [0] * 4], jnp.int32)
     alone_valid = jnp.array([[True] * 3 + [False] * 3, [True] * 2 + [False] * 4])
     enc = Encoder(cfg)
@@ -273,6 +275,7 @@ def test_a_packed_row_equals_its_examples_run_separately():
     np.testing.assert_allclose(h_packed[0, 3:5], h_alone[1, :2], atol=1e-5)  # positions restart per segment
     per_segment = _logits(cfg, params, packed, valid, segment_ids=seg, num_segments=2)  # [N, S, C]
     np.testing.assert_allclose(per_segment[0], _logits(cfg, params, alone, alone_valid), atol=1e-5)
+    np.testing.assert_allclose(per_segment[1, 0], _logits(cfg, params)[1], atol=1e-5)  # one segment: the whole row
 
 
 def test_fully_masked_row_gives_finite_logits():
