@@ -95,9 +95,10 @@ def test_a_packed_row_equals_its_examples_run_separately() -> None:
     cfg = _cfg()
     variables = _variables()
     first, second = [3, 1, 4, 1, 5], [9, 2, 6, 5]
-    packed = jnp.asarray([first + second + [0] * 3], jnp.int32)
-    seg = jnp.asarray([[0] * 5 + [1] * 4 + [0] * 3], jnp.int32)
-    valid = jnp.asarray([[True] * 9 + [False] * 3])
+    # Row 1 (one segment) gives the batch the file's shared [N, L] shape: its compiled operations are reused.
+    packed = jnp.asarray([first + second + [0] * 3, TOKENS[1].tolist()], jnp.int32)
+    seg = jnp.asarray([[0] * 5 + [1] * 4 + [0] * 3, [0] * L], jnp.int32)
+    valid = jnp.asarray([[True] * 9 + [False] * 3, VALID[1].tolist()])
     alone = jnp.asarray([first + [0] * 7, second + [0] * 8], jnp.int32)
     alone_valid = jnp.asarray([[True] * 5 + [False] * 7, [True] * 4 + [False] * 8])
     h_packed = np.asarray(Encoder(cfg).apply(variables, packed, valid, segment_ids=seg))
