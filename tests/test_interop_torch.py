@@ -543,6 +543,7 @@ def test_bfloat16_block_within_documented_tolerance():
 # --- optional dependency ------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # a subprocess; tests/test_interop_hf.py's slow twin checks transformers too
 def test_importing_jaxblock_does_not_import_torch():
     code = "import sys, jaxblock, jaxblock.interop; assert 'torch' not in sys.modules, 'torch imported'"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
