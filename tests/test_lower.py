@@ -107,8 +107,7 @@ def test_collectives_over_one_device_groups_are_not_counted():
 
 @pytest.mark.slow
 def test_the_compiled_step_counts_the_partitioners_collectives(capsys):
-    if len(jax.devices("cpu")) < 2:
-        pytest.skip("needs 2 CPU devices (tests/conftest.py simulates 8)")
+    assert len(jax.devices("cpu")) >= 2, "tests/conftest.py simulates 8 CPU devices"
     code = main(["lower", "--config", str(TINY), "--platform", "tpu", "--devices", "2", "--layout", "fsdp",
                  "model.num_layers=1", "--json"])
     report = json.loads(capsys.readouterr().out)
