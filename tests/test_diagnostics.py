@@ -462,3 +462,21 @@ def test_checks_run_on_an_encoder_too() -> None:
     results = checks(model, variables, batch)
     assert all(r.passed for r in results.values()), "\n".join(map(str, results.values()))
     assert "Pre-LN stack output normalized per token" in [n for n, _, _ in results["structure"].parts]
+
+
+def test_the_compiled_measures_see_an_ambient_interceptor_after_a_call_without_it() -> None:
+    """residual_ratios compiles per model; a caller's nn.intercept_methods is not in jit's cache key, so
+    under one the measure must run the model again rather than replay the program compiled before."""
+    batch = float_batch()
+    model = EncoderStack(StackConfig(num_layers=B, block=BLOCK))
+    variables = init(model, batch)
+    plain = dg.residual_ratios(model, variables, batch).attn
+
+    def double_attention(next_fun: Any, args: Any, kwargs: Any, ctx: Any) -> Any:
+        out = next_fun(*args, **kwargs)
+        return out * 2 if ctx.module.name == "self_attn" and ctx.method_name == "__call__" else out
+
+    with nn.intercept_methods(double_attention):
+        doubled = dg.residual_ratios(model, variables, batch).attn
+    np.testing.assert_allclose(doubled[0], 2 * plain[0], rtol=1e-5)  # the first block's stream is unchanged
+    assert all(abs(d - p) > 1e-3 for d, p in zip(doubled, plain, strict=True))

@@ -39,7 +39,7 @@ _FFN = next(b for b in BRANCHES if b.name == "ffn")
 def residual_ratios(model: nn.Module, variables: Any, batch: Batch, *, limit: float = 10.0) -> ResidualRatios:
     """For each residual add in the wiring: ||branch|| / ||the residual stream it is added to||."""
     model, v = prepare(model, variables)
-    inputs, records = _block_values(model, v, dict(batch))
+    inputs, records = _compiled_unless_intercepted(_block_values)(model, v, dict(batch))
     valid = batch["valid_tokens"]
     ratios: dict[str, list[float]] = {"attn": [], "ffn": []}
     for x, rec in zip(inputs, records, strict=True):
@@ -52,6 +52,14 @@ def residual_ratios(model: nn.Module, variables: Any, batch: Batch, *, limit: fl
     every = ratios["attn"] + ratios["ffn"]
     passed = bool(np.all(np.isfinite(every)) and max(every, default=0.0) <= limit)
     return ResidualRatios(block_config(model).norm, ratios["attn"], ratios["ffn"], limit, passed)
+
+
+def _compiled_unless_intercepted(fn: Any) -> Any:
+    """The jitted `fn`, or the function it wraps when the caller runs us inside `nn.intercept_methods`:
+    the interceptor is not part of jit's cache key, so a program compiled by an earlier call would
+    silently leave it out."""
+    stack = getattr(nn.module, "_global_interceptor_stack", None)
+    return fn.__wrapped__ if stack is None or list(stack) else fn
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -72,10 +80,10 @@ def grad_norms_by_depth(model: nn.Module, variables: Any, batch: Batch, loss_fn:
     """
     model, v = prepare(model, variables)
     paths = tuple(block_paths(model, v, batch))
-    loss, input_grad, param_grad, ffn_out = jax.device_get(_grad_norms(model, loss_fn, paths, v, dict(batch)))
-    as_floats = [float(loss), *map(float, input_grad), *map(float, param_grad)]
-    return GradNorms(float(loss), [float(g) for g in input_grad], [float(g) for g in param_grad],
-                     [float(g) for g in ffn_out], bool(np.all(np.isfinite(as_floats))))
+    loss, *norms = jax.device_get(_compiled_unless_intercepted(_grad_norms)(model, loss_fn, paths, v, dict(batch)))
+    input_grad, param_grad, ffn_out = ([float(x) for x in xs] for xs in norms)
+    passed = bool(np.all(np.isfinite([float(loss), *input_grad, *param_grad])))
+    return GradNorms(float(loss), input_grad, param_grad, ffn_out, passed)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2))
