@@ -19,7 +19,7 @@ Each change is measured against its own absence in the same run, so the ratio ho
 
 The model is randomly initialised at MiniLM's shape (the speed does not depend on the weights' values).
 Prints one table with both medians and after/before (>1: the change is faster), the CPU model and the
-load average. Exit codes: 0 success, 2 bad usage.
+load average. Exit codes: 0 success, 2 bad usage, 130 interrupted.
 """
 
 from __future__ import annotations
@@ -120,7 +120,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=2, help="huge_pages: before/after process pairs (default 2)")
     p.add_argument("--quick", action="store_true", help="tiny shapes: a smoke run")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
+    try:
+        args = p.parse_args(argv)
+    except SystemExit as exit_:
+        return 0 if exit_.code == 0 else 2
     if args.reps < 1 or args.rounds < 1:
         print("python -m bench.ab: --reps and --rounds must be positive integers", file=sys.stderr)
         return 2
@@ -144,9 +147,16 @@ def main(argv: list[str] | None = None) -> int:
     print(f"machine: {cpu.model} [{cpu.kind}], {os.cpu_count()} cores; {status()}; load average "
           f"{os.getloadavg()[0]:.2f} at the start", flush=True)
     rows = []
-    for change in chosen:
-        print(f"== {change}", file=sys.stderr, flush=True)
-        rows += globals()[change](args.reps, args.rounds)
+    try:
+        for change in chosen:
+            print(f"== {change}", file=sys.stderr, flush=True)
+            rows += globals()[change](args.reps, args.rounds)
+    except KeyboardInterrupt:
+        print("python -m bench.ab: interrupted", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        # Straight out: interrupted inside an XLA compile, the interpreter's normal teardown crashed
+        # (SIGSEGV after the line above). Nothing is written, so there is nothing to clean up.
+        os._exit(130)
     print("| change | before (ms) | after (ms) | after / before speed |")
     print("| --- | --- | --- | --- |")
     for name, before, after in rows:
