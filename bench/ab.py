@@ -34,6 +34,8 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+from bench.arguments import exit_process
+
 CHANGES = ("freeze", "dropout", "huge_pages")
 QUICK = os.environ.get("JAXBLOCK_BENCH_AB_QUICK") == "1"  # --quick, passed on to the huge_pages children
 
@@ -152,11 +154,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"== {change}", file=sys.stderr, flush=True)
             rows += globals()[change](args.reps, args.rounds)
     except KeyboardInterrupt:
-        print("python -m bench.ab: interrupted", file=sys.stderr, flush=True)
-        sys.stdout.flush()
-        # Straight out: interrupted inside an XLA compile, the interpreter's normal teardown crashed
-        # (SIGSEGV after the line above). Nothing is written, so there is nothing to clean up.
-        os._exit(130)
+        print("python -m bench.ab: interrupted", file=sys.stderr)
+        return 130
     print("| change | before (ms) | after (ms) | after / before speed |")
     print("| --- | --- | --- | --- |")
     for name, before, after in rows:
@@ -172,4 +171,4 @@ if __name__ == "__main__":
         from train.host_memory import reexec_with_huge_pages
 
         reexec_with_huge_pages()
-    sys.exit(main())
+    exit_process(main())

@@ -1,10 +1,13 @@
-"""Argument types for the bench commands: a value argparse refuses in its one usage line, exit 2."""
+"""Argument types for the bench commands (a value argparse refuses in its one usage line, exit 2) and their
+exit on Ctrl-C."""
 
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 from collections.abc import Callable
-from typing import TypeVar
+from typing import NoReturn, TypeVar
 
 T = TypeVar("T", int, float)
 
@@ -25,3 +28,15 @@ def checked(cast: Callable[[str], T], accepts: Callable[[T], bool], wanted: str)
 
 
 count = checked(int, lambda v: v >= 1, "a count: pass a positive integer")
+
+
+
+def exit_process(code: int) -> NoReturn:
+    """A command's `sys.exit(main())`, except after Ctrl-C (130): straight out with os._exit. Interrupted
+    inside an XLA compile, the interpreter's normal teardown crashed with SIGSEGV after the command's own
+    last line; the commands have nothing left to write or clean up by then."""
+    if code != 130:
+        sys.exit(code)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

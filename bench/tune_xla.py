@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.arguments import checked, count
+from bench.arguments import checked, count, exit_process
 
 
 def decide(speedups: dict[str, list[float]], margin: float) -> str | None:
@@ -128,4 +128,4 @@ if __name__ == "__main__":
     from train.host_memory import reexec_with_huge_pages
 
     reexec_with_huge_pages()  # huge pages for XLA's per-step buffers (train/host_memory.py); before jax loads
-    sys.exit(main())
+    exit_process(main())
