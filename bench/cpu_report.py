@@ -114,9 +114,15 @@ def git_state() -> str:
     return commit + (", with uncommitted changes" if dirty else "")
 
 
-def default_out(model: str, today: datetime.date) -> Path:
+def default_out(model: str, today: datetime.date, records: Path = RECORDS) -> Path:
+    """records/<cpu>-<date>.md, or the first of <cpu>-<date>-2.md, -3.md, ... not yet taken: a second report on
+    the same day never replaces the first."""
     slug = re.sub(r"[^a-z0-9]+", "-", model.lower().replace("(r)", "").replace("(tm)", "")).strip("-") or "cpu"
-    return RECORDS / f"{slug}-{today.isoformat()}.md"
+    out, n = records / f"{slug}-{today.isoformat()}.md", 1
+    while out.exists():
+        n += 1
+        out = records / f"{slug}-{today.isoformat()}-{n}.md"
+    return out
 
 
 def run_one(title: str, argv: list[str], log: TextIO | None = None) -> Outcome:
@@ -217,10 +223,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"python -m bench.cpu_report: --out {out} is a directory: pass a file name such as "
               f"{out / 'record.md'}", file=sys.stderr)
         return 2
+    if out.exists():
+        print(f"python -m bench.cpu_report: --out {out} already exists (an earlier record): pass a new file name, "
+              "or leave out --out for the next free name in bench/records/", file=sys.stderr)
+        return 2
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         with open(out, "a"):
             pass
+        out.unlink()  # only a check that it can be written: a report interrupted before its end leaves no empty file
     except OSError as err:
         print(f"python -m bench.cpu_report: cannot write {out} ({err.strerror or err}): pass a writable --out",
               file=sys.stderr)

@@ -37,10 +37,23 @@ def test_the_record_names_machine_versions_and_each_commands_output():
     assert "load average 0.50 before, 1.50 after" in text
 
 
-def test_the_default_record_is_named_after_the_cpu_and_the_day():
-    path = cpu_report.default_out("Intel(R) Xeon(R) Processor", datetime.date(2026, 12, 2))
-    assert path == ROOT / "bench" / "records" / "intel-xeon-processor-2026-12-02.md"
-    assert cpu_report.default_out("AMD EPYC", datetime.date(2026, 12, 2)).name == "amd-epyc-2026-12-02.md"
+def test_the_default_record_is_named_after_the_cpu_and_the_day(tmp_path):
+    assert cpu_report.default_out("AMD EPYC", datetime.date(2026, 12, 2)).parent == ROOT / "bench" / "records"
+    path = cpu_report.default_out("Intel(R) Xeon(R) Processor", datetime.date(2026, 12, 2), tmp_path)
+    assert path == tmp_path / "intel-xeon-processor-2026-12-02.md"
+    assert cpu_report.default_out("AMD EPYC", datetime.date(2026, 12, 2), tmp_path).name == "amd-epyc-2026-12-02.md"
+
+
+def test_a_second_record_on_the_same_day_never_replaces_the_first(tmp_path, capsys):
+    day = datetime.date(2026, 12, 2)
+    (tmp_path / "amd-epyc-2026-12-02.md").write_text("first")
+    assert cpu_report.default_out("AMD EPYC", day, tmp_path).name == "amd-epyc-2026-12-02-2.md"
+    (tmp_path / "amd-epyc-2026-12-02-2.md").write_text("second")
+    assert cpu_report.default_out("AMD EPYC", day, tmp_path).name == "amd-epyc-2026-12-02-3.md"
+    assert cpu_report.main(["--out", str(tmp_path / "amd-epyc-2026-12-02.md")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "already exists" in err[0] and "--out" in err[0]
+    assert (tmp_path / "amd-epyc-2026-12-02.md").read_text() == "first"
 
 
 def test_a_failed_command_is_recorded_and_the_exit_code_is_1(monkeypatch, tmp_path):
