@@ -184,8 +184,8 @@ RESUME = """
 import json, sys
 sys.path.insert(0, sys.argv[2])
 from pathlib import Path
+from conftest import updated_state
 from train.checkpoints.store import Checkpoints, read_run_config
-from jaxblock import Classifier
 from train.checkpoints.repair import restore_newest_good
 workdir = Path(sys.argv[1])
 cfg = read_run_config(workdir)
