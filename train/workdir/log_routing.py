@@ -10,9 +10,12 @@ import io
 import logging
 import os
 import sys
+import threading
+import time
 from typing import Any
 
 LIBRARY_LOG = "orbax.log"  # Orbax's (absl) error logs, e.g. each save thread's traceback on a full disk
+THREAD_WAIT_S = 60.0  # after a failure, how long the library's own save threads get to end and log
 
 
 class _QuietFileHandler(logging.FileHandler):
@@ -70,11 +73,36 @@ def library_errors_to(path: Any) -> Any:
     # What library threads print through sys.stderr (TensorStore's "Event loop is closed" after a failed
     # save) goes to the same file; the run's own lines keep the terminal's stream (Progress, Interrupts).
     sys.stderr = _NoiseFile(path)
+    before = set(threading.enumerate())
     try:
         yield
+    except BaseException:
+        # A failed run may leave a save's threads still running (the disk filled while a checkpoint was being
+        # written and the run then stopped on another write): each logs its own traceback when it fails, which
+        # must land in the file, not on the terminal after the run's one line. The interpreter waits for those
+        # (non-daemon) threads at exit anyway, so waiting for them here first costs nothing more.
+        _join_new_threads(before, THREAD_WAIT_S)
+        raise
     finally:
         sys.stderr = previous_stderr
         logger.propagate = previous
         logger.removeHandler(handler)
         with contextlib.suppress(OSError):  # the disk may be full: the run's own error is the one to report
             handler.close()
+
+
+def _orbax_thread(thread: threading.Thread) -> bool:
+    """A thread of Orbax's own (its save threads' class, or a plain thread running an Orbax function such as
+    the `async_save` commit): not the thread pools' workers, which live until the interpreter exits."""
+    target = getattr(thread, "_target", None)  # CPython's Thread keeps the target function here
+    return any(getattr(x, "__module__", "").startswith("orbax") for x in (type(thread), target))
+
+
+def _join_new_threads(before: set[threading.Thread], timeout_s: float) -> None:
+    """Wait, at most timeout_s in all, for Orbax's threads started since `before` was taken."""
+    deadline = time.monotonic() + timeout_s
+    for thread in set(threading.enumerate()) - before:
+        if thread is threading.current_thread() or not _orbax_thread(thread):
+            continue
+        with contextlib.suppress(Exception):  # Orbax's save threads re-raise their own error from join()
+            thread.join(max(0.0, deadline - time.monotonic()))
