@@ -48,7 +48,9 @@ _YNN_LISTS = frozenset({"", "dot", "dot,eltwise", "dot,reduce", "dot,eltwise,red
 #   1.010x / 0.935x (python -m bench.tune_xla; 1.02x in the options section); YNN off 0.935x / 0.966x; YNN on
 #   dots, elementwise ops and reductions 0.895x / 0.892x; oneDNN (use_onednn, its custom call, its DOT and
 #   DOT,ELTWISE fusions) 0.857-1.068x / 0.953-0.995x; XNNPACK off 1.057x / 1.015x. None was 1.03x faster at
-#   both shapes. (The greedy row it replaces came from one earlier noisy run.)
+#   both shapes. (The greedy row it replaces came from one earlier noisy run.) A second Intel Xeon record
+#   (bench/records/intel-xeon-processor-2026-12-02.md, `python -m bench.cpu_report`) kept the defaults again:
+#   greedy 0.990x / 1.174x, YNN off 0.886x / 1.043x, YNN on dots, elementwise ops and reductions 0.801x / 0.855x.
 # - AMD AVX-512 (EPYC, jaxlib 0.10.2): no option beat XLA's defaults; YNN fusion of elementwise ops and
 #   reductions was 5-15% slower and the graph-fusion mode compiled to the very same program.
 # Kinds without a measurement keep XLA's defaults too. `python -m bench.tune_xla` measures the candidates on
