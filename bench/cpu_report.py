@@ -1,6 +1,7 @@
 """python -m bench.cpu_report: every speed measurement of this repository on this machine, as one Markdown record.
 
     python -m bench.cpu_report                      # ~12-15 min on a 2-core CPU; writes bench/records/<cpu>-<date>.md
+                                                    # (or <cpu>-<date>-2.md, ...: an earlier record is never replaced)
     python -m bench.cpu_report --out record.md      # somewhere else
     python -m bench.cpu_report --quick              # tiny shapes: a smoke run of a minute or two
 
