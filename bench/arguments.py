@@ -30,7 +30,6 @@ def checked(cast: Callable[[str], T], accepts: Callable[[T], bool], wanted: str)
 count = checked(int, lambda v: v >= 1, "a count: pass a positive integer")
 
 
-
 def exit_process(code: int) -> NoReturn:
     """A command's `sys.exit(main())`, except after Ctrl-C (130): straight out with os._exit. Interrupted
     inside an XLA compile, the interpreter's normal teardown crashed with SIGSEGV after the command's own
