@@ -13,6 +13,7 @@ from bench import cpu_report
 
 ROOT = Path(__file__).resolve().parent.parent
 CPU = {"Model name": "Intel(R) Xeon(R) Processor", "CPU(s)": "2", "Thread(s) per core": "1",
+       "Vendor ID": "GenuineIntel", "CPU family": "6", "Model": "207",
        "Flags": "fpu sse2 avx2 fma avx512f avx512_bf16 amx_bf16 amx_tile"}
 
 
@@ -27,6 +28,8 @@ def test_the_record_names_machine_versions_and_each_commands_output():
     text = cpu_report.render(CPU, {"jax": "0.10.2", "torch": "2.13.0"}, "abc1234", "XLA defaults", outcomes,
                              datetime.date(2026, 12, 2), quick=False, malloc="malloc: glibc's defaults")
     assert text.startswith("# Intel(R) Xeon(R) Processor, 2 CPUs, measured 2026-12-02 on abc1234\n")
+    assert ('Machine: `lscpu` "Intel(R) Xeon(R) Processor" (vendor GenuineIntel, family 6, model 207); 2 CPUs'
+            in text)
     assert "flags include avx2, fma, avx512f, avx512_bf16, amx_bf16, amx_tile." in text
     assert "jax 0.10.2, torch 2.13.0" in text and "XLA option set (jaxblock/xla_options.py): XLA defaults." in text
     assert "Malloc: glibc's defaults." in text
