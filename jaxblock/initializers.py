@@ -55,8 +55,21 @@ def bias_init(scheme: str, fan_in: int, axes: tuple[str | None, ...], zero: bool
 
 
 def param(module: nn.Module, name: str, init: Init, shape: tuple[int, ...], dtype: Any) -> jax.Array:
-    """module.param with a boxed (logically partitioned) init, typed as the plain array apply sees."""
+    """module.param with a boxed (logically partitioned) init, typed as the plain array apply sees.
+
+    Applying a model, the parameter exists, and Flax returns it after tracing the init function
+    abstractly (jax.eval_shape), only to compare the stored shape with the one the init would make. Our
+    initializers make exactly `shape`, so zeros of `shape` stand in for them there: the same check,
+    without tracing a truncated-normal or uniform draw per parameter on every forward pass, eager or
+    traced (an eager 4-block classifier's forward: 0.10 -> 0.08 s). Initializing, the real init runs."""
+    if module.has_variable("params", name):
+        init = _zeros
     return cast(jax.Array, module.param(name, init, shape, dtype))
+
+
+def _zeros(key: jax.Array, shape: Sequence[int], dtype: Any = jnp.float32) -> jax.Array:
+    del key
+    return jnp.zeros(shape, dtype)
 
 
 class Weights(nn.Module):

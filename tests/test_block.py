@@ -6,6 +6,7 @@ Shapes: N=2, L=5, D=8, H=2, F=16; row 0 has 3 real tokens, row 1 has 5.
 
 import itertools
 
+import flax.errors
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -366,3 +367,22 @@ def test_the_wiring_description_is_what_the_block_computes(placement, norm_type)
         np.testing.assert_allclose(rec[site.name][real], replay[site.name], rtol=1e-5, atol=1e-5, err_msg=site.name)
     np.testing.assert_allclose(y[real], replay[wiring.output], rtol=1e-5, atol=1e-5)
     assert BLOCK_INPUT not in wiring.order and wiring.output_is_normalized == (placement == "post")
+
+
+def test_applying_reads_stored_params_and_still_refuses_a_wrong_shape():
+    """jaxblock.initializers.param checks a stored parameter's shape without tracing its init on every
+    forward pass: the stored values are what the block computes with, and a wrong shape is named."""
+    cfg = _cfg()
+    params = _params(cfg)
+    doubled = jax.tree.map(lambda a: a, params)
+    doubled["ffn"]["linear2"]["kernel"] = 2.0 * params["ffn"]["linear2"]["kernel"]
+    assert not np.allclose(np.asarray(_apply(cfg, params, _x())), np.asarray(_apply(cfg, doubled, _x())))
+    for path, leaf in (("ffn", "linear1", "kernel"), params["ffn"]["linear1"]["kernel"]), \
+                      (("ffn_norm", "scale"), params["ffn_norm"]["scale"]):
+        broken = jax.tree.map(lambda a: a, params)
+        node = broken
+        for key in path[:-1]:
+            node = node[key]
+        node[path[-1]] = jnp.zeros((*leaf.shape[:-1], leaf.shape[-1] + 1), leaf.dtype)
+        with pytest.raises(flax.errors.ScopeParamShapeError, match=path[-1]):
+            _apply(cfg, broken, _x())
