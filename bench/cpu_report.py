@@ -172,7 +172,7 @@ def render(cpu: dict[str, str], vers: dict[str, str], git: str, xla: str, outcom
         + (" (--quick: tiny shapes)" if quick else ""),
         "",
         f"Machine: `lscpu` \"{model}\""
-        # A model name such as "AMD EPYC" covers generations whose matmul speeds differ by nearly 2x.
+        # One model name ("AMD EPYC") covers machines whose XLA matmuls differ by nearly 2x (bench/records).
         + (f" (vendor {cpu['Vendor ID']}, family {cpu['CPU family']}, model {cpu['Model']})"
            if all(k in cpu for k in ("Vendor ID", "CPU family", "Model")) else "")
         + f"; {cores} CPUs"

@@ -4,6 +4,7 @@ sublayer ablation, train vs eval, distinct norms, bf16, fully masked rows, segme
 Shapes: N=2, L=5, D=8, H=2, F=16; row 0 has 3 real tokens, row 1 has 5.
 """
 
+import functools
 import itertools
 
 import flax.errors
@@ -377,12 +378,10 @@ def test_applying_reads_stored_params_and_still_refuses_a_wrong_shape():
     doubled = jax.tree.map(lambda a: a, params)
     doubled["ffn"]["linear2"]["kernel"] = 2.0 * params["ffn"]["linear2"]["kernel"]
     assert not np.allclose(np.asarray(_apply(cfg, params, _x())), np.asarray(_apply(cfg, doubled, _x())))
-    for path, leaf in (("ffn", "linear1", "kernel"), params["ffn"]["linear1"]["kernel"]), \
-                      (("ffn_norm", "scale"), params["ffn_norm"]["scale"]):
+    for module, name in (("ffn/linear1", "kernel"), ("ffn_norm", "scale")):
         broken = jax.tree.map(lambda a: a, params)
-        node = broken
-        for key in path[:-1]:
-            node = node[key]
-        node[path[-1]] = jnp.zeros((*leaf.shape[:-1], leaf.shape[-1] + 1), leaf.dtype)
-        with pytest.raises(flax.errors.ScopeParamShapeError, match=path[-1]):
+        holder = functools.reduce(dict.__getitem__, module.split("/"), broken)
+        leaf = holder[name]
+        holder[name] = jnp.zeros((*leaf.shape[:-1], leaf.shape[-1] + 1), leaf.dtype)
+        with pytest.raises(flax.errors.ScopeParamShapeError, match=name):
             _apply(cfg, broken, _x())
