@@ -8,7 +8,15 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
+
+# Bytecode is cached for the suite's own imports even where the environment sets PYTHONDONTWRITEBYTECODE
+# (as container images often do): otherwise every xdist worker compiles the checkout's modules from source
+# and pytest rewrites the asserts of every test module again on every run, half of each worker's collection
+# (7.9 -> 5.6 s with the cache, on a 2-core AMD EPYC). The files go to the __pycache__ folders git ignores;
+# an unwritable checkout only loses the saving.
+sys.dont_write_bytecode = False
 
 # Most of the suite's time is XLA compiling hundreds of tiny programs whose run time does not matter. For
 # the jaxlib the project pins, three CPU compiler settings cut that: LLVM optimisation level 0 and the
