@@ -103,19 +103,21 @@ def test_docs_block_loads_the_export_without_model_code_and_equals_predict(expor
     assert [row[0] for row in shown] == [p["label"] for p in predicted]
 
 
-def test_a_damaged_export_is_refused_in_one_line(exported, tmp_path):
+def _damaged_copy(exported: Path, tmp_path: Path) -> Path:
+    """The export with one byte of its parameters flipped."""
     damaged = tmp_path / "damaged"
     shutil.copytree(exported, damaged)
     params = damaged / "params.safetensors"
     data = bytearray(params.read_bytes())
     data[-5] ^= 0xFF
     params.write_bytes(bytes(data))
-    done = _run_docs_block(damaged, tmp_path)
-    assert done.returncode == 1 and done.stdout == ""
-    assert done.stderr.strip().count("\n") == 0 and "params.safetensors fails its SHA-256 check" in done.stderr
+    return damaged
 
+
+def test_a_damaged_export_is_refused_in_one_line(exported, tmp_path):
     from train.serving.artifact import Artifact
 
+    damaged = _damaged_copy(exported, tmp_path)
     with pytest.raises(CheckpointError, match=r"params\.safetensors fails its SHA-256 check") as err:
         Artifact.load(damaged)
     assert "\n" not in str(err.value)
@@ -124,6 +126,14 @@ def test_a_damaged_export_is_refused_in_one_line(exported, tmp_path):
         Artifact.load(damaged)
     with pytest.raises(CheckpointError, match=r"holds no export"):
         Artifact.load(tmp_path)
+
+
+@pytest.mark.slow
+def test_the_docs_block_refuses_a_damaged_export_in_one_line(exported, tmp_path):
+    """The same refusal where a user meets it: the docs block, in a fresh interpreter without model code."""
+    done = _run_docs_block(_damaged_copy(exported, tmp_path), tmp_path)
+    assert done.returncode == 1 and done.stdout == ""
+    assert done.stderr.strip().count("\n") == 0 and "params.safetensors fails its SHA-256 check" in done.stderr
 
 
 def test_symbolic_batch_and_length_within_max_len(exported):
