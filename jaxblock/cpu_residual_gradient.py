@@ -56,13 +56,14 @@ def runtime_one(valid_tokens: jax.Array) -> jax.Array:
 
 
 @contextmanager
-def settled_residuals(block: nn.Module, valid_tokens: jax.Array) -> Iterator[None]:
-    """While `block` is called: settle its input and the residual stream points its wiring names.
+def settled_residuals(block: nn.Module, x: jax.Array, valid_tokens: jax.Array) -> Iterator[None]:
+    """While `block` is called on `x`: settle its input and the residual stream points its wiring names.
 
     A Flax method interceptor: it sees the block's `__call__` (its input) and its `_record` calls
-    (the values it records and goes on using), so the block's code stays the equations alone.
+    (the values it records and goes on using), so the block's code stays the equations alone. Nothing
+    to settle when neither `x` nor the block's variables are traced (an eager forward pass: no gradient).
     """
-    if not applies():
+    if not _SWITCH.applies_to(x, block.variables):
         yield
         return
     one = runtime_one(valid_tokens)

@@ -6,12 +6,20 @@ a TPU or CUDA program traced on a CPU host (`python -m train lower`, `train expo
 jaxblock/cpu_residual_gradient.py, jaxblock/cpu_weight_gradient.py and LayerNorm's written-out backward
 (jaxblock/norms.py) each hold one. The bench forces one off to measure what it buys; forward-mode
 autodiff forces them off to trace the plain formulas (docs/model.md).
+
+Each workaround shapes only a gradient, so `applies_to(values)` also asks whether any of the values it
+would wrap is traced (jit, grad, vmap, scan...): an eager call on concrete arrays, outside any
+transformation, has no gradient to shape and runs the plain formulas, the same values without a custom
+VJP's per-call tracing (`traced`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
+
+import jax
 
 
 class CpuSwitch:
@@ -25,6 +33,10 @@ class CpuSwitch:
 
         return target_platform() == "cpu" if self._forced is None else self._forced
 
+    def applies_to(self, *values: Any) -> bool:
+        """`applies()` and some leaf of `values` is traced: only then can a gradient flow through them."""
+        return self.applies() and traced(*values)
+
     @contextmanager
     def forced(self, enabled: bool) -> Iterator[None]:
         previous, self._forced = self._forced, enabled
@@ -32,3 +44,9 @@ class CpuSwitch:
             yield
         finally:
             self._forced = previous
+
+
+def traced(*values: Any) -> bool:
+    """Whether any leaf of `values` (pytrees) is a tracer: False for an eager call on concrete arrays,
+    which no transformation (jit, grad, vmap, scan, eval_shape) is watching."""
+    return any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(values))

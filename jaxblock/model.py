@@ -44,7 +44,7 @@ class _Layer(EncoderBlock):
         self, x: jax.Array, valid_tokens: jax.Array, attn_mask: Any, segment_ids: Any, positions: Any,
         per_layer: Any,
     ) -> Any:
-        with settled_residuals(self, valid_tokens):  # a CPU speed workaround: jaxblock/cpu_residual_gradient.py
+        with settled_residuals(self, x, valid_tokens):  # a CPU speed workaround: jaxblock/cpu_residual_gradient.py
             y = super().__call__(
                 x, valid_tokens, attn_mask=attn_mask, segment_ids=segment_ids, positions=positions,
                 per_layer=per_layer, train=self.train,

@@ -29,7 +29,7 @@ class LayerNorm(nn.Module):
         cfg = self.config
         chex.assert_axis_dimension(x, -1, cfg.model_dim)
         x32 = x.astype(jnp.float32)
-        y = _standardize(x32, cfg.norm_eps) if _SWITCH.applies() else _standardize_fwd(x32, cfg.norm_eps)[0]
+        y = _standardize(x32, cfg.norm_eps) if _SWITCH.applies_to(x32) else _standardize_fwd(x32, cfg.norm_eps)[0]
         return _affine(self, y, cfg).astype(cfg.compute_dtype)
 
 

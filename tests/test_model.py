@@ -407,6 +407,35 @@ def test_project_is_the_einsum_forward_and_backward_on_and_off(spec, x_shape, w_
         cw.project(x, w[:1], contract)
 
 
+def test_an_eager_forward_runs_no_custom_vjp_and_a_traced_one_keeps_them(monkeypatch):
+    """The CPU workarounds and the dense kernel's written-out backward shape gradients only: an eager call
+    on concrete arrays runs the plain forward (no custom VJP traced per call), the same values as the
+    compiled forward, while anything traced (grad, jit) still goes through every one of them."""
+    from jax._src import custom_derivatives
+
+    from jaxblock.cpu_switch import traced
+
+    cfg = StackConfig(num_layers=2, block={**BLOCK, "attention": "dense"})
+    model = EncoderStack(cfg)
+    x, params = _x(0), _stack_params(cfg)
+    calls: list[str] = []
+    call = custom_derivatives.custom_vjp.__call__
+    monkeypatch.setattr(custom_derivatives.custom_vjp, "__call__",
+                        lambda self, *a, **k: calls.append(self.__name__) or call(self, *a, **k))
+
+    eager = model.apply({"params": params}, x, VALID)
+    assert calls == [] and not traced(x, params, eager)
+    compiled = jax.jit(lambda p, x: model.apply({"params": p}, x, VALID))(params, x)
+    np.testing.assert_allclose(np.asarray(eager), np.asarray(compiled), rtol=1e-5, atol=1e-6)
+    seen: list[bool] = []
+    jax.make_jaxpr(lambda x: seen.append(traced(x)) or x)(x)
+    jax.make_jaxpr(jax.grad(lambda x: seen.append(traced({"x": x})) or jnp.sum(x)))(x)
+    assert seen == [True, True]
+    if jax.default_backend() == "cpu":
+        jax.make_jaxpr(jax.grad(lambda p: jnp.sum(model.apply({"params": p}, x, VALID))))(params)  # traced only
+        assert {"settle_gradient", "_matmul", "_standardize", "_core"} <= set(calls), calls
+
+
 def test_forward_mode_autodiff_runs_with_the_plain_formulas_as_docs_model_md_says():
     # Custom VJPs are reverse-mode only; with the CPU's hand-written gradients off and attention='xla'
     # the stack is plain JAX, and jax.jvp agrees with the reverse-mode gradient.
