@@ -28,7 +28,8 @@ EMBEDDINGS = {"encoder/embedding", "encoder/pos_embedding"}
 
 @pytest.fixture(scope="module")
 def params():
-    return init_params(Classifier(MODEL), 0, 8)
+    # One compiled init rather than every initializer's primitives compiled one by one (the values agree).
+    return jax.jit(lambda: init_params(Classifier(MODEL), 0, 8))()
 
 
 def flat(tree) -> dict[str, object]:
@@ -54,7 +55,7 @@ def test_weight_decay_reaches_only_the_masked_leaves(params):
     cfg = OptimConfig(lr=0.1, weight_decay=0.5, schedule="constant", warmup_steps=0, clip_norm=None)
     state = create_state(Classifier(MODEL), params, cfg, 10)
     zeros = jax.tree.map(jnp.zeros_like, params)
-    after = flat(state.apply_gradients(grads=zeros).params)
+    after = flat(jax.jit(lambda s: s.apply_gradients(grads=zeros).params)(state))
     before, mask = flat(params), flat(decay_mask(params, False))
     for name, value in before.items():
         expected = np.asarray(value) * (1 - 0.1 * 0.5) if mask[name] else np.asarray(value)
@@ -101,9 +102,9 @@ def test_warmup_longer_than_the_run_is_cut_to_leave_a_last_step():
     assert lr_at(s, 9) == pytest.approx(1e-2)
 
 
-def test_the_state_reports_the_schedule():
+def test_the_state_reports_the_schedule(params):
     cfg = OptimConfig(lr=1e-2, warmup_steps=10, schedule="linear")
-    state = create_state(Classifier(MODEL), init_params(Classifier(MODEL), 0, 8), cfg, 30)
+    state = create_state(Classifier(MODEL), params, cfg, 30)
     assert float(state.lr_schedule(5)) == pytest.approx(5e-3)
 
 
