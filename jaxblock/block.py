@@ -11,6 +11,8 @@ submodule computes each value, from what) is `jaxblock.wiring`; tests/test_block
 
 from __future__ import annotations
 
+from typing import Any
+
 import chex
 import flax.linen as nn
 import jax
@@ -19,6 +21,7 @@ import jax.numpy as jnp
 from jaxblock import masks
 from jaxblock.attention import SelfAttention
 from jaxblock.config import BlockConfig
+from jaxblock.cpu_switch import compiled_when_eager
 from jaxblock.dropout import Dropout
 from jaxblock.ffn import FeedForward
 from jaxblock.norms import make_norm
@@ -65,8 +68,7 @@ class EncoderBlock(nn.Module):
         masks.check_valid_tokens(valid_tokens, x.shape[:2])
         # Non-finite padded values become 0: attention and pooling keep padding out of real outputs, but a
         # NaN/Inf there would still reach every weight gradient (0 * NaN in the backward matmuls).
-        x = jnp.where(valid_tokens[..., None] | jnp.isfinite(x), x, 0)
-        x = x.astype(cfg.compute_dtype)
+        x = _finite_padding(x, valid_tokens, cfg.compute_dtype)
 
         def attn(h: jax.Array) -> jax.Array:
             if cfg.ablate == "attention":
@@ -100,3 +102,9 @@ class EncoderBlock(nn.Module):
         """Sow `value` as the recorded site `name` and pass it on (jaxblock.cpu_residual_gradient intercepts here)."""
         self.sow("intermediates", name, value)
         return value
+
+
+@compiled_when_eager("dtype")
+def _finite_padding(x: jax.Array, valid_tokens: jax.Array, dtype: Any) -> jax.Array:
+    """x [N, L, D] with non-finite padded values set to 0, in `dtype`."""
+    return jnp.where(valid_tokens[..., None] | jnp.isfinite(x), x, 0).astype(dtype)

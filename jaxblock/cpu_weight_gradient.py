@@ -23,13 +23,14 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jaxblock.cpu_switch import CpuSwitch
+from jaxblock.cpu_switch import CpuSwitch, compiled_when_eager
 
 _SWITCH = CpuSwitch()
 applies = _SWITCH.applies  # () -> bool: on for XLA's CPU backend unless forced
 forced = _SWITCH.forced  # (enabled) -> context manager: force on or off while tracing
 
 
+@compiled_when_eager("contract")
 def project(x: jax.Array, w: jax.Array, contract: int) -> jax.Array:
     """x [N, L, *I] times w [*I, *O] over the `contract` trailing axes of x (= the leading axes of w)
     -> [N, L, *O]. The same product as the einsum, e.g. "NLD,DHK->NLHK" with contract=1."""

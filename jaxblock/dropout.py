@@ -30,6 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxblock.cpu_switch import compiled_when_eager
+
 _ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
 _PARITY = np.uint32(0x1BD11BDA)
 
@@ -72,7 +74,11 @@ def _key_words(key: jax.Array) -> tuple[jax.Array, jax.Array] | None:
 
 def bernoulli(key: jax.Array, p: float, shape: Sequence[int]) -> jax.Array:
     """bool[shape], True with probability p: `jax.random.bernoulli(key, p, shape)`, bit for bit."""
-    shape = tuple(int(s) for s in shape)
+    return _bernoulli(key, p, tuple(int(s) for s in shape))
+
+
+@compiled_when_eager("p", "shape")
+def _bernoulli(key: jax.Array, p: float, shape: tuple[int, ...]) -> jax.Array:
     words = _key_words(key)
     size = math.prod(shape)
     if (words is None or not _flag("jax_threefry_partitionable") or size >= 2**32

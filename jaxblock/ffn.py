@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxblock.config import BlockConfig
+from jaxblock.cpu_switch import compiled_when_eager
 from jaxblock.cpu_weight_gradient import project
 from jaxblock.dropout import Dropout
 from jaxblock.initializers import Weights, bias_init, kernel_init
@@ -24,6 +25,7 @@ from jaxblock.initializers import Weights, bias_init, kernel_init
 _SQRT_HALF = 0.7071067811865476
 
 
+@compiled_when_eager()
 def gelu_exact(x: jax.Array) -> jax.Array:
     """0.5·x·(1 + erf(x/√2)): PyTorch's formula. XLA's erf is a rational polynomial while the erfc that
     jax.nn.gelu(approximate=False) uses takes exp and selects; this form made the CPU training step ~9%
@@ -81,6 +83,7 @@ class FeedForward(nn.Module):
         return _dense(h, *self.linear2(), dt)  # [N, L, D]
 
 
+@compiled_when_eager("dt")
 def _dense(x: jax.Array, kernel: jax.Array, bias: jax.Array | None, dt: jnp.dtype) -> jax.Array:
     y = project(x, kernel.astype(dt), 1)  # the einsum "NLI,IO->NLO"; see jaxblock/cpu_weight_gradient.py
     return y if bias is None else y + bias.astype(dt)[None, None, :]

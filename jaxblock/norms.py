@@ -8,6 +8,7 @@ float32 whatever the compute dtype; eps sits inside the square root.
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import chex
 import flax.linen as nn
@@ -15,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxblock.config import BlockConfig
-from jaxblock.cpu_switch import CpuSwitch
+from jaxblock.cpu_switch import CpuSwitch, compiled_when_eager
 from jaxblock.initializers import param
 
 
@@ -28,9 +29,7 @@ class LayerNorm(nn.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         cfg = self.config
         chex.assert_axis_dimension(x, -1, cfg.model_dim)
-        x32 = x.astype(jnp.float32)
-        y = _standardize(x32, cfg.norm_eps) if _SWITCH.applies_to(x32) else _standardize_fwd(x32, cfg.norm_eps)[0]
-        return _affine(self, y, cfg).astype(cfg.compute_dtype)
+        return _layer_norm(x, *_affine_params(self, cfg), eps=cfg.norm_eps, dtype=cfg.compute_dtype)
 
 
 class RMSNorm(nn.Module):
@@ -42,9 +41,7 @@ class RMSNorm(nn.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         cfg = self.config
         chex.assert_axis_dimension(x, -1, cfg.model_dim)
-        x32 = x.astype(jnp.float32)
-        y = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + cfg.norm_eps)
-        return _affine(self, y, cfg).astype(cfg.compute_dtype)
+        return _rms_norm(x, *_affine_params(self, cfg), eps=cfg.norm_eps, dtype=cfg.compute_dtype)
 
 
 _SWITCH = CpuSwitch()
@@ -81,22 +78,42 @@ def _standardize_bwd(eps: float, res: tuple[jax.Array, jax.Array], g: jax.Array)
 _standardize.defvjp(_standardize_fwd, _standardize_bwd)
 
 
-def _affine(module: nn.Module, y: jax.Array, cfg: BlockConfig) -> jax.Array:
+@compiled_when_eager("eps", "dtype")
+def _layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array | None, eps: float, dtype: Any) -> jax.Array:
+    x32 = x.astype(jnp.float32)
+    y = _standardize(x32, eps) if _SWITCH.applies_to(x32) else _standardize_fwd(x32, eps)[0]
+    return _affine(y, scale, bias).astype(dtype)
+
+
+@compiled_when_eager("eps", "dtype")
+def _rms_norm(x: jax.Array, scale: jax.Array, bias: jax.Array | None, eps: float, dtype: Any) -> jax.Array:
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + eps)
+    return _affine(y, scale, bias).astype(dtype)
+
+
+def _affine_params(module: nn.Module, cfg: BlockConfig) -> tuple[jax.Array, jax.Array | None]:
+    """The norm's scale [D] and, when cfg.use_bias, bias [D] (else None)."""
     scale = param(
         module,
         "scale", nn.with_logical_partitioning(nn.initializers.ones_init(), ("embed",)),
         (cfg.model_dim,), cfg.params_dtype,
     )
+    if not cfg.use_bias:
+        return scale, None
+    bias = param(
+        module,
+        "bias", nn.with_logical_partitioning(nn.initializers.zeros_init(), ("embed",)),
+        (cfg.model_dim,), cfg.params_dtype,
+    )
+    return scale, bias
+
+
+def _affine(y: jax.Array, scale: jax.Array, bias: jax.Array | None) -> jax.Array:
+    """y [..., D] float32 times scale (+ bias), in float32."""
     lead = (1,) * (y.ndim - 1)  # explicit broadcast: tests forbid implicit rank promotion
     y = y * scale.astype(jnp.float32).reshape(*lead, -1)
-    if cfg.use_bias:
-        bias = param(
-            module,
-            "bias", nn.with_logical_partitioning(nn.initializers.zeros_init(), ("embed",)),
-            (cfg.model_dim,), cfg.params_dtype,
-        )
-        y = y + bias.astype(jnp.float32).reshape(*lead, -1)
-    return y
+    return y if bias is None else y + bias.astype(jnp.float32).reshape(*lead, -1)
 
 
 def make_norm(config: BlockConfig, name: str | None = None) -> nn.Module:

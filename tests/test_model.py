@@ -407,12 +407,15 @@ def test_project_is_the_einsum_forward_and_backward_on_and_off(spec, x_shape, w_
         cw.project(x, w[:1], contract)
 
 
-def test_an_eager_forward_runs_no_custom_vjp_and_a_traced_one_keeps_them(monkeypatch):
-    """The CPU workarounds and the dense kernel's written-out backward shape gradients only: an eager call
-    on concrete arrays runs the plain forward (no custom VJP traced per call), the same values as the
-    compiled forward, while anything traced (grad, jit) still goes through every one of them."""
+def test_an_eager_forward_runs_compiled_functions_and_a_traced_one_inlines_them_with_custom_vjps(monkeypatch):
+    """Called eagerly on concrete arrays, the model's pure functions (norms, dense attention, projections)
+    each run as one compiled program (jaxblock.cpu_switch.compiled_when_eager) instead of op by op, and a
+    repeated eager call traces nothing (no custom VJP); under jit or grad they run inline, so the compiled
+    programs (the CPU workarounds and the dense kernel's written-out backward included) are unchanged."""
     from jax._src import custom_derivatives
 
+    from jaxblock import cpu_weight_gradient, norms
+    from jaxblock.attention import dense
     from jaxblock.cpu_switch import traced
 
     cfg = StackConfig(num_layers=2, block={**BLOCK, "attention": "dense"})
@@ -422,18 +425,30 @@ def test_an_eager_forward_runs_no_custom_vjp_and_a_traced_one_keeps_them(monkeyp
     call = custom_derivatives.custom_vjp.__call__
     monkeypatch.setattr(custom_derivatives.custom_vjp, "__call__",
                         lambda self, *a, **k: calls.append(self.__name__) or call(self, *a, **k))
+    ran: list[str] = []
+    for fn in (norms._layer_norm, dense.dense_attention, cpu_weight_gradient.project):
+        monkeypatch.setattr(fn, "compiled",
+                            lambda *a, _c=fn.compiled, _n=fn.__name__, **k: ran.append(_n) or _c(*a, **k))
 
     eager = model.apply({"params": params}, x, VALID)
-    assert calls == [] and not traced(x, params, eager)
+    assert {"_layer_norm", "dense_attention", "project"} <= set(ran), ran
+    assert not traced(x, params, eager)
+    calls.clear()
+    assert np.array_equal(np.asarray(model.apply({"params": params}, x, VALID)), np.asarray(eager))
+    assert calls == []
+    ran.clear()
     compiled = jax.jit(lambda p, x: model.apply({"params": p}, x, VALID))(params, x)
+    assert ran == []
     np.testing.assert_allclose(np.asarray(eager), np.asarray(compiled), rtol=1e-5, atol=1e-6)
     seen: list[bool] = []
     jax.make_jaxpr(lambda x: seen.append(traced(x)) or x)(x)
     jax.make_jaxpr(jax.grad(lambda x: seen.append(traced({"x": x})) or jnp.sum(x)))(x)
     assert seen == [True, True]
     if jax.default_backend() == "cpu":
+        calls.clear()
         jax.make_jaxpr(jax.grad(lambda p: jnp.sum(model.apply({"params": p}, x, VALID))))(params)  # traced only
         assert {"settle_gradient", "_matmul", "_standardize", "_core"} <= set(calls), calls
+        assert ran == []
 
 
 def test_forward_mode_autodiff_runs_with_the_plain_formulas_as_docs_model_md_says():

@@ -38,11 +38,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxblock.cpu_switch import traced
+from jaxblock.cpu_switch import compiled_when_eager, traced
 
 _NEG = float(jnp.finfo(jnp.float32).min)
 
 
+@compiled_when_eager("rate")
 def dense_attention(
     q: jax.Array,
     k: jax.Array,
