@@ -10,7 +10,9 @@ autodiff forces them off to trace the plain formulas (docs/model.md).
 Each workaround shapes only a gradient, so `applies_to(values)` also asks whether any of the values it
 would wrap is traced (jit, grad, vmap, scan...): an eager call on concrete arrays, outside any
 transformation, has no gradient to shape and runs the plain formulas, the same values without a custom
-VJP's per-call tracing (`traced`).
+VJP's per-call tracing (`traced`). The model's pure functions go one step further when called eagerly:
+each runs as one compiled program per argument shape (`compiled_when_eager`), where the workarounds'
+forward is traced once with the program.
 """
 
 from __future__ import annotations
