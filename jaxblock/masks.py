@@ -19,6 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxblock.cpu_switch import compiled_when_eager
+
 
 def check_valid_tokens(valid_tokens: jax.Array, batch_shape: tuple[int, ...]) -> None:
     """Trace-time check: valid_tokens must be bool[N, L] matching x's leading axes."""
@@ -34,6 +36,7 @@ def check_valid_tokens(valid_tokens: jax.Array, batch_shape: tuple[int, ...]) ->
         )
 
 
+@compiled_when_eager("causal")
 def attention_mask(
     valid_tokens: jax.Array,
     *,
@@ -93,6 +96,7 @@ def is_left_aligned(valid_tokens: Any) -> bool:
     return bool(np.all(v[:, :-1] | ~v[:, 1:]))
 
 
+@compiled_when_eager()
 def segment_positions(segment_ids: jax.Array) -> jax.Array:
     """int[N, L] position of each token within its own segment (restarts at 0 per segment)."""
     n, length = segment_ids.shape

@@ -19,6 +19,7 @@ from jaxblock import masks
 from jaxblock.block import EncoderBlock
 from jaxblock.config import EncoderConfig, StackConfig
 from jaxblock.cpu_residual_gradient import settled_residuals
+from jaxblock.cpu_switch import compiled_when_eager
 from jaxblock.dropout import Dropout
 from jaxblock.ffn import gelu_exact
 from jaxblock.initializers import param
@@ -172,6 +173,7 @@ class Encoder(nn.Module):
         )
 
 
+@compiled_when_eager()
 def masked_mean(x: jax.Array, valid_tokens: jax.Array) -> jax.Array:
     """[N, L, D] -> float32[N, D]: mean over real tokens only (a row with none gives 0)."""
     masks.check_valid_tokens(valid_tokens, x.shape[:2])
@@ -181,6 +183,7 @@ def masked_mean(x: jax.Array, valid_tokens: jax.Array) -> jax.Array:
     return total / jnp.maximum(jnp.sum(keep.astype(jnp.float32), axis=1), 1.0)
 
 
+@compiled_when_eager("num_segments")
 def segment_mean(x: jax.Array, valid_tokens: jax.Array, segment_ids: jax.Array, num_segments: int) -> jax.Array:
     """Packed rows: [N, L, D] -> float32[N, S, D], mean of each segment's real tokens (ids 0..S-1)."""
     slots = jnp.arange(num_segments)[None, None, :]
@@ -190,6 +193,7 @@ def segment_mean(x: jax.Array, valid_tokens: jax.Array, segment_ids: jax.Array, 
     return total / jnp.maximum(jnp.sum(w, axis=1), 1.0)[..., None]
 
 
+@compiled_when_eager()
 def last_token(x: jax.Array, valid_tokens: jax.Array) -> jax.Array:
     """[N, L, D] -> float32[N, D]: each row's last real token (real tokens first; a row with none gives row 0)."""
     last = jnp.maximum(jnp.sum(valid_tokens, axis=1, dtype=jnp.int32) - 1, 0)  # [N]
