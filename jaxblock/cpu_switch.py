@@ -7,12 +7,12 @@ jaxblock/cpu_residual_gradient.py, jaxblock/cpu_weight_gradient.py and LayerNorm
 (jaxblock/norms.py) each hold one. The bench forces one off to measure what it buys; forward-mode
 autodiff forces them off to trace the plain formulas (docs/model.md).
 
-Each workaround shapes only a gradient, so `applies_to(values)` also asks whether any of the values it
-would wrap is traced (jit, grad, vmap, scan...): an eager call on concrete arrays, outside any
-transformation, has no gradient to shape and runs the plain formulas, the same values without a custom
-VJP's per-call tracing (`traced`). The model's pure functions go one step further when called eagerly:
-each runs as one compiled program per argument shape (`compiled_when_eager`), where the workarounds'
-forward is traced once with the program.
+Each workaround shapes only a gradient. The model's pure functions that hold one (LayerNorm's, the
+projections', the dense kernel's) run as one compiled program per argument shape when called eagerly
+(`compiled_when_eager`), so their custom VJPs are traced once with that program, never per call; the
+residual-gradient settle wraps a whole stack call instead and asks `applies_to(values)`: whether any of
+the values it would wrap is traced (jit, grad, vmap, scan...). An eager call on concrete arrays, outside
+any transformation, has no gradient to shape and runs the plain formulas (`traced`).
 """
 
 from __future__ import annotations

@@ -38,7 +38,7 @@ def project(x: jax.Array, w: jax.Array, contract: int) -> jax.Array:
     if inner != w.shape[:contract]:
         raise ValueError(f"project: x's last {contract} axes {inner} do not match w's first {w.shape[:contract]}")
     x3, w2 = x.reshape(*lead, math.prod(inner)), w.reshape(math.prod(inner), math.prod(outer))
-    y = _matmul(x3, w2) if _SWITCH.applies_to(x3, w2) else _product(x3, w2)
+    y = _matmul(x3, w2) if _SWITCH.applies() else _product(x3, w2)
     return y.reshape(*lead, *outer)
 
 

@@ -77,7 +77,7 @@ def bernoulli(key: jax.Array, p: float, shape: Sequence[int]) -> jax.Array:
     return _bernoulli(key, p, tuple(int(s) for s in shape))
 
 
-@compiled_when_eager("p", "shape")
+@compiled_when_eager("shape")
 def _bernoulli(key: jax.Array, p: float, shape: tuple[int, ...]) -> jax.Array:
     words = _key_words(key)
     size = math.prod(shape)

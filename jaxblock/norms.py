@@ -81,7 +81,7 @@ _standardize.defvjp(_standardize_fwd, _standardize_bwd)
 @compiled_when_eager("eps", "dtype")
 def _layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array | None, eps: float, dtype: Any) -> jax.Array:
     x32 = x.astype(jnp.float32)
-    y = _standardize(x32, eps) if _SWITCH.applies_to(x32) else _standardize_fwd(x32, eps)[0]
+    y = _standardize(x32, eps) if _SWITCH.applies() else _standardize_fwd(x32, eps)[0]
     return _affine(y, scale, bias).astype(dtype)
 
 
