@@ -14,7 +14,8 @@ from conftest import random_bert_dir
 from train.__main__ import main
 from train.embed import Embedder, embed, read_pooling
 
-pytest.importorskip("transformers")
+# Shares one xdist worker with the other files that build transformers models (tests/conftest.py).
+XDIST_GROUP = "transformers"
 
 TEXTS = ["3 4 5 3", "1 2", "7 7 7 7 7 7 1 2 3 4 5 6 7 8 9 10 11 12 13 14", "5", "9 9 2"]
 

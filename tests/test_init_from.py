@@ -20,6 +20,10 @@ from train.checkpoints.restore import restore_run
 from train.config import ConfigError
 from train.init_from import INIT_DIR
 
+# The tests here that do not read the reference run share a worker with the other files that build
+# transformers models (tests/conftest.py).
+XDIST_GROUP = "transformers"
+
 
 def leaves(tree: Any) -> dict[str, np.ndarray]:
     return {jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree_util.tree_leaves_with_path(tree)}

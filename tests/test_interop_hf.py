@@ -14,11 +14,14 @@ import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
 
 from jaxblock import Classifier, Encoder, EncoderConfig  # noqa: E402
 from jaxblock.interop import hf  # noqa: E402
 from jaxblock.interop.hf.measure import FAMILIES, PAD, VOCAB, tiny_batch, tiny_config, tiny_model  # noqa: E402
+
+# Shares one xdist worker with the other files that build transformers models (tests/conftest.py), which
+# import transformers in the tests, never at collection: the other worker never loads it.
+XDIST_GROUP = "transformers"
 
 
 @pytest.fixture(scope="module")
@@ -142,6 +145,8 @@ def test_load_pretrained_gives_encoder_tokenizer_and_license(saved: Any, tmp_pat
                                                      ("llama", "LlamaForCausalLM", "model.")])
 def test_a_language_model_checkpoint_gives_its_encoder(tmp_path: Path, family: str, cls: str, prefix: str) -> None:
     """Keys under the base-model prefix, an LM head beside them: the encoder converts, the head is left out."""
+    import transformers
+
     lm = getattr(transformers, cls)(tiny_config(family)).eval()
     lm.save_pretrained(tmp_path)
     cfg, variables = hf.from_hf(tmp_path)
@@ -182,6 +187,8 @@ def _refused(fn: Any, field: str) -> str:
 
 
 def test_configs_we_cannot_express_are_refused_in_one_line() -> None:
+    import transformers
+
     yarn = {"rope_type": "yarn", "rope_theta": 5e5, "factor": 8.0, "original_max_position_embeddings": 16}
     _refused(lambda: hf.from_hf(tiny_model("llama", rope_parameters=yarn)), "rope_parameters.rope_type='yarn'")
     _refused(lambda: hf.from_hf(tiny_model("llama", hidden_act="gelu")), "hidden_act='gelu'")

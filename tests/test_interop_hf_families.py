@@ -19,12 +19,15 @@ import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
 
 from jaxblock import Classifier, Encoder, EncoderConfig  # noqa: E402
 from jaxblock.interop import hf  # noqa: E402
 from jaxblock.interop.hf.common import Mapping, linear, norm  # noqa: E402
 from jaxblock.interop.hf.measure import FAMILIES, PAD, tiny_batch, tiny_model  # noqa: E402
+
+# Shares one xdist worker with the other files that build transformers models (tests/conftest.py), which
+# import transformers in the tests, never at collection: the other worker never loads it.
+XDIST_GROUP = "transformers"
 
 NEW = ("xlm-roberta", "camembert", "electra", "modernbert")
 # Keys some families read from config.json files older than transformers 5 (not fields of its config class).
@@ -54,6 +57,8 @@ def _same_state_dict(got: Any, want: Any) -> None:
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_each_familys_defaults_are_its_transformers_config_class_defaults(family: str) -> None:
+    import transformers
+
     fam = hf.family(family)
     cls = getattr(transformers, fam.hf_class + "Config")
     fields = {f.name: f.default for f in dataclasses.fields(cls)}
@@ -68,6 +73,8 @@ def test_each_familys_defaults_are_its_transformers_config_class_defaults(family
 def test_a_minimal_config_json_reads_as_transformers_reads_it(family: str, tmp_path: Path) -> None:
     """Hub config.json files often hold only what differs from the defaults: drop every key equal to the
     config class's default and read the directory as transformers would fill it in."""
+    import transformers
+
     model = tiny_model(family)
     model.save_pretrained(tmp_path)
     cls = getattr(transformers, hf.family(family).hf_class + "Config")
@@ -350,6 +357,7 @@ def test_the_read_path_needs_neither_torch_nor_transformers(tmp_path: Path) -> N
 
 
 def test_a_modernbert_checkpoint_plans_as_init_from_with_its_per_layer_stack(tmp_path: Path) -> None:
+    import transformers
     from conftest import TINY
     from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
 
