@@ -100,16 +100,14 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     a file's first compiles happen on one worker only; one group for the tests that read the shared
     reference run, so it is built once; and one for the files that name a group of their own
     (`XDIST_GROUP`): the files that build transformers models share a worker, so only that worker
-    imports transformers and its families' model code (~5.5 s of CPU on a 2-core Intel Xeon)."""
-    def reads_reference(item: pytest.Item) -> bool:
-        return "reference_run" in getattr(item, "fixturenames", ())
-
+    imports transformers and its families' model code (~5.5 s of CPU on a 2-core Intel Xeon). xdist hands
+    out the groups with the most tests first (its default `--loadscope-reorder`), whatever the order here."""
     for item in items:
-        module = getattr(item, "module", None)
-        group = ("reference_run" if reads_reference(item)
-                 else getattr(module, "XDIST_GROUP", None) or item.nodeid.split("::")[0])
+        if "reference_run" in getattr(item, "fixturenames", ()):
+            group = "reference_run"
+        else:
+            group = getattr(getattr(item, "module", None), "XDIST_GROUP", None) or item.nodeid.split("::")[0]
         item.add_marker(pytest.mark.xdist_group(group))
-    items.sort(key=lambda item: not reads_reference(item))  # the largest group starts first (a stable sort)
 
 
 # Tracing makes objects by the million, so the collector's automatic passes ran ~9,000 times per worker
