@@ -160,7 +160,7 @@ def equality_rows(kinds: tuple[str, ...] = KINDS, shards: tuple[int, ...] = SHAR
             for strategy in strategies:
                 config = model_config(kind, context=context, strategy=strategy)
                 state = create_state(Classifier(config.model), params, config.optim, 1)
-                specs = abstract_init(Classifier(config.model), 0, LENGTH)[1]
+                specs = abstract_init(Classifier(config.model), LENGTH)[1]
                 runner = ShardedRunner(config, state, CLASSIFICATION, specs)
                 got = _evaluate(config, params, batch, runner)
                 diff = {k: float(np.max(np.abs(np.asarray(got[k]) - np.asarray(ref[k]))))
@@ -212,7 +212,7 @@ def _runner(length: int, context: int, strategy: str) -> tuple[Any, Any, Any]:
 
     config = memory_config(length, context, strategy)
     model = Classifier(config.model)
-    shapes, specs = abstract_init(model, 0, length)
+    shapes, specs = abstract_init(model, length)
     state = jax.eval_shape(lambda: create_state(model, jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), shapes),
                                                 config.optim, 10))
     runner = ShardedRunner(config, state, CLASSIFICATION, specs, devices=jax.devices()[:context])

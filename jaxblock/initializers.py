@@ -9,6 +9,7 @@ the attention out_proj bias, which MultiheadAttention zeroes.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from typing import Any, cast
@@ -74,6 +75,31 @@ def param(module: nn.Module, name: str, init: Init, shape: tuple[int, ...], dtyp
                                                    tuple(np.shape(value)), tuple(shape))
         return cast(jax.Array, value)
     return cast(jax.Array, module.param(name, init, shape, dtype))
+
+
+def abstract_params(model: nn.Module, length: int = 1) -> Any:
+    """The `params` collection `model.init(key, tokens, valid)` makes for a [1, length] batch, as
+    jax.ShapeDtypeStructs boxed with their logical axis names: `nn.unbox` gives the shapes and dtypes,
+    `nn.get_partition_spec` the logical PartitionSpecs. Nothing is computed or compiled.
+
+    Tracing an encoder's init, even abstractly, costs ~0.1 s (every module, every initializer), and a
+    conversion, a restore and a run each need these shapes, often for the same model. Flax modules compare
+    by their fields, so the trace is kept per (model, length) and equal models share it; each call gets its
+    own copy of the tree. A model with an unhashable field is traced on every call."""
+    x64 = jax.dtypes.canonicalize_dtype(np.float64) == np.float64
+    try:
+        hash(model)
+    except TypeError:  # an unhashable field: no cache key
+        return _abstract_params.__wrapped__(model, length, x64)
+    return jax.tree.map(lambda leaf: leaf, _abstract_params(model, length, x64))
+
+
+@functools.lru_cache(maxsize=32)
+def _abstract_params(model: nn.Module, length: int, x64: bool) -> Any:
+    del x64  # part of the key only: it decides the dtypes the trace gives
+    tokens = jnp.zeros((1, length), jnp.int32)
+    valid = jnp.ones((1, length), jnp.bool_)
+    return jax.eval_shape(lambda: model.init(jax.random.key(0), tokens, valid))["params"]
 
 
 class Weights(nn.Module):

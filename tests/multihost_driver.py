@@ -63,7 +63,7 @@ def run(parallel: dict[str, Any], out: Path | None) -> dict[str, Any]:
     def make_state() -> Any:
         return create_state(model, init_params(model, 0, LENGTH), config.optim, STEPS)
 
-    runner = par.make_runner(config, jax.eval_shape(make_state), specs=abstract_init(model, 0, LENGTH)[1])
+    runner = par.make_runner(config, jax.eval_shape(make_state), specs=abstract_init(model, LENGTH)[1])
     state = runner.init_state(make_state)
     index, count = runner.data_share()
     per = BATCH // count

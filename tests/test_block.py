@@ -6,6 +6,7 @@ Shapes: N=2, L=5, D=8, H=2, F=16; row 0 has 3 real tokens, row 1 has 5.
 
 import functools
 import itertools
+from typing import ClassVar
 
 import flax.errors
 import flax.linen as nn
@@ -18,6 +19,7 @@ from flax import nnx
 from jaxblock import BlockConfig, EncoderBlock, FeedForward, LayerNorm, RMSNorm, SelfAttention, unbox
 from jaxblock.block import RECORDED_SITES
 from jaxblock.diagnostics.reference import norm as reference_norm
+from jaxblock.initializers import abstract_params
 from jaxblock.wiring import BLOCK_INPUT, WIRINGS
 
 N, L, D = 2, 5, 8
@@ -391,3 +393,35 @@ def test_applying_reads_stored_params_and_still_refuses_a_wrong_shape(monkeypatc
         holder[name] = jnp.zeros((*leaf.shape[:-1], leaf.shape[-1] + 1), leaf.dtype)
         with pytest.raises(flax.errors.ScopeParamShapeError, match=name):
             _apply(cfg, broken, _x())
+
+
+class _Counted(nn.Module):
+    """A model whose init counts its own traces; `widths` may be made unhashable (a list)."""
+
+    width: int
+    widths: object = ()
+    calls: ClassVar[list[int]] = []
+
+    @nn.compact
+    def __call__(self, tokens: jax.Array, valid: jax.Array) -> jax.Array:
+        _Counted.calls.append(self.width)
+        return nn.Dense(self.width)(tokens[..., None].astype(jnp.float32))
+
+
+def test_abstract_params_traces_an_equal_model_once_and_hands_out_copies():
+    """jaxblock.initializers.abstract_params keeps one abstract init per (model, length): an equal model
+    built anew reuses it, a different one or another length is traced, an unhashable one every call, and
+    each caller's tree is its own."""
+    _Counted.calls.clear()
+    first = abstract_params(_Counted(3))
+    assert jax.tree.map(lambda s: (s.shape, s.dtype), nn.unbox(first)) == {
+        "Dense_0": {"kernel": ((1, 3), jnp.float32), "bias": ((3,), jnp.float32)}}
+    first["Dense_0"] = "scribbled on"
+    again = abstract_params(_Counted(3))
+    assert _Counted.calls == [3] and nn.unbox(again)["Dense_0"]["kernel"].shape == (1, 3)
+    abstract_params(_Counted(4))
+    abstract_params(_Counted(3), length=5)
+    assert _Counted.calls == [3, 4, 3]
+    abstract_params(_Counted(2, widths=[1]))
+    abstract_params(_Counted(2, widths=[1]))
+    assert _Counted.calls == [3, 4, 3, 2, 2]

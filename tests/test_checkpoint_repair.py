@@ -38,7 +38,7 @@ def _updated_states(cfg: Config, steps: tuple[int, ...]) -> dict[int, Any]:
     so that the Adam moments are arrays worth storing), from host random parameters and gradients (seed =
     step) and one compiled update: compiling its per-leaf random draws took ~5 s, eager ones longer."""
     model = Classifier(cfg.model)
-    shapes = abstract_init(model, 0, cfg.data.buckets[-1])[0]
+    shapes = abstract_init(model, cfg.data.buckets[-1])[0]
     update = jax.jit(lambda params, grads, step: create_state(model, params, cfg.optim, cfg.train.steps)
                      .apply_gradients(grads=grads).replace(step=step))
     out = {}

@@ -150,7 +150,7 @@ def train(config: Any, length: int) -> tuple[list[float], Any]:
     model = Classifier(config.model)
     params = jax.jit(lambda: init_params(model, 0, 16))()
     state = create_state(model, params, config.optim, 3)
-    runner = make_runner(config, state, specs=abstract_init(model, 0, 16)[1])
+    runner = make_runner(config, state, specs=abstract_init(model, 16)[1])
     state = runner.place_state(state)
     losses = []
     for step, batch in enumerate(batches(length)):
@@ -183,7 +183,7 @@ def test_a_length_the_mesh_cannot_serve_and_a_rule_without_length_fail_in_one_li
     with pytest.raises(ConfigError, match=r"context=4 pads sequences of 14 tokens to 16, beyond model.max_len=14: "
                                           "use data.buckets and data.max_len that are multiples of 4") as err:
         make_runner(config, jax.eval_shape(lambda: create_state(model, init_params(model, 0, 14), config.optim, 3)),
-                    specs=abstract_init(model, 0, 14)[1])
+                    specs=abstract_init(model, 14)[1])
     assert "\n" not in str(err.value)
     rules = [[a, b] for a, b in DEFAULT_RULES if a != "length"]
     with pytest.raises(ConfigError, match=r"parallel.mesh.context=4 but parallel.rules maps 'length' to None: add "

@@ -160,7 +160,7 @@ def test_sharded_optimizer_state_follows_its_parameters_with_frozen_ones(tiny):
 
     cfg = tiny("optim.freeze=[embedding]", "model.vocab_size=20", "model.num_classes=2")
     model = task_for(cfg).build_model(cfg.model)
-    params, specs = abstract_init(model, 0, 16)
+    params, specs = abstract_init(model, 16)
     state = jax.eval_shape(lambda p: create_state(model, p, cfg.optim, 10), params)
     sizes = {"fsdp": 4, "tensor": 2}
     mesh = AbstractMesh(tuple(sizes.get(a, 1) for a in MESH_AXES), MESH_AXES,

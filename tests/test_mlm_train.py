@@ -71,7 +71,7 @@ def run_steps(parallel: str, steps: int = 5, **block: Any) -> np.ndarray:
     config = mlm_config(json.loads(parallel), **block)
     model = TASK.build_model(config.model)
     state = jax.jit(lambda: create_state(model, init_params(model, 0, L), config.optim, steps))()
-    runner = make_runner(config, state, task=TASK, specs=abstract_init(model, 0, L)[1])
+    runner = make_runner(config, state, task=TASK, specs=abstract_init(model, L)[1])
     state = runner.place_state(jax.tree.map(np.asarray, state))
     losses = []
     for step in range(steps):

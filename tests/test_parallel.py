@@ -65,7 +65,7 @@ def host_state(config: Config) -> TrainState:
 
 def logical_specs(config: Config) -> Any:
     """The params' logical PartitionSpecs from the one abstract init, as the run module takes them."""
-    return abstract_init(Classifier(config.model), 0, LENGTH)[1]
+    return abstract_init(Classifier(config.model), LENGTH)[1]
 
 
 def runner_for(config: Config, state: Any) -> Any:

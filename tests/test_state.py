@@ -109,7 +109,7 @@ def test_the_state_reports_the_schedule(params):
 
 
 def test_abstract_init_gives_shapes_and_logical_specs_from_one_tree(params):
-    shapes, specs = abstract_init(Classifier(MODEL), 0, 8)
+    shapes, specs = abstract_init(Classifier(MODEL), 8)
     assert jax.tree.map(lambda x: (x.shape, x.dtype), shapes) == jax.tree.map(lambda x: (x.shape, x.dtype), params)
     flat_specs = flat(jax.tree.map(lambda s: s, specs, is_leaf=lambda x: isinstance(x, PartitionSpec)))
     assert set(flat_specs) == set(flat(params))

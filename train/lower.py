@@ -343,7 +343,7 @@ def lower(target: Target, config_path: str = "", *, compile_collectives: bool = 
     config = target.config
     task = task_for(config)
     model = task.build_model(config.model)
-    params, specs = abstract_init(model, config.train.seed, config.data.buckets[-1])
+    params, specs = abstract_init(model, config.data.buckets[-1])
     state = jax.eval_shape(lambda p: create_state(model, p, config.optim, config.train.steps), params)
     shape = tuple(target.mesh[a] for a in MESH_AXES)
     mesh = AbstractMesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))

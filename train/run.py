@@ -94,7 +94,7 @@ def plan_run(config: Config, workdir: Path, task: Task | None = None) -> Plan:
                               "train.steps or use a new --workdir")
     model = task.build_model(config.model)
     cfg = config
-    params, specs = abstract_init(model, cfg.train.seed, cfg.data.buckets[-1])
+    params, specs = abstract_init(model, cfg.data.buckets[-1])
     abstract = jax.eval_shape(lambda p: create_state(model, p, cfg.optim, cfg.train.steps), params)
 
     def make_state() -> TrainState:

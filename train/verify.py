@@ -90,13 +90,11 @@ def verify_step(manager: Any, workdir: Path, step: int, config: Any) -> dict[str
 
 
 def _param_shapes(config: Any) -> Any:
-    import jax
-
-    from train.loop.state import init_params
+    from train.loop.state import abstract_init
     from train.tasks import task_for
 
     model = task_for(config).build_model(config.model)
-    return jax.eval_shape(lambda: init_params(model, 0, config.data.buckets[-1]))
+    return abstract_init(model, config.data.buckets[-1])[0]
 
 
 def _line(r: dict[str, Any]) -> str:

@@ -27,7 +27,7 @@ from train.checkpoints.store import (
 from train.config import Config, apply_overrides, config_from_dict
 from train.data.tokenizer import Tokenizer, load_tokenizer
 from train.errors import CheckpointError
-from train.loop.state import init_params
+from train.loop.state import abstract_init
 from train.tasks import registry
 
 
@@ -70,7 +70,7 @@ def restore_run(workdir: Path | str, step: int | None = None, *, overrides: list
         raise CheckpointError(f"the run in {workdir} has task={config.task}, which this version does not know: "
                               f"use the version that trained it (tasks here: {', '.join(sorted(tasks))})")
     model = tasks[config.task].from_config(config).build_model(config.model)  # the run's own model
-    shapes = jax.eval_shape(lambda: init_params(model, 0, config.data.buckets[-1]))
+    shapes = abstract_init(model, config.data.buckets[-1])[0]
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=device), shapes)
 

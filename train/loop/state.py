@@ -13,6 +13,7 @@ import optax
 from flax import struct
 from flax.training import train_state
 
+from jaxblock.initializers import abstract_params
 from train.config import ConfigError, OptimConfig
 
 
@@ -112,11 +113,8 @@ def create_state(
 
 
 def init_variables(model: nn.Module, seed: int, batch_len: int) -> Any:
-    """The model's params with their logical axis metadata (boxed), from a dummy [1, L] batch.
-
-    Under jax.eval_shape this is the one abstract init a run needs: `nn.get_partition_spec` of it gives
-    the logical PartitionSpecs (train/devices/runners.py) and `nn.unbox` of it the parameter shapes.
-    """
+    """The model's params with their logical axis metadata (boxed), from a dummy [1, L] batch (the abstract
+    twin, for shapes and logical PartitionSpecs, is `abstract_init`)."""
     tokens = jnp.zeros((1, batch_len), jnp.int32)
     valid = jnp.ones((1, batch_len), jnp.bool_)
     return model.init(jax.random.key(seed), tokens, valid)["params"]
@@ -127,8 +125,9 @@ def init_params(model: nn.Module, seed: int, batch_len: int) -> Any:
     return nn.unbox(init_variables(model, seed, batch_len))
 
 
-def abstract_init(model: nn.Module, seed: int, batch_len: int) -> tuple[Any, Any]:
-    """(parameter shapes and dtypes, their logical PartitionSpecs) from one abstract init: nothing is
-    computed, and the specs come from the same boxed tree the shapes are unboxed from."""
-    boxed = jax.eval_shape(lambda: init_variables(model, seed, batch_len))
+def abstract_init(model: nn.Module, batch_len: int) -> tuple[Any, Any]:
+    """(parameter shapes and dtypes, their logical PartitionSpecs) from one abstract init
+    (jaxblock.initializers.abstract_params, kept per model): nothing is computed, and the specs come from
+    the same boxed tree the shapes are unboxed from."""
+    boxed = abstract_params(model, batch_len)
     return nn.unbox(boxed), nn.get_partition_spec(boxed)

@@ -18,6 +18,7 @@ import numpy as np
 from pydantic import ValidationError
 
 from jaxblock.config import EncoderConfig, format_validation_error
+from jaxblock.initializers import abstract_params
 from jaxblock.interop.hf.common import (
     Mapping,
     UnsupportedConfigError,
@@ -122,8 +123,7 @@ def _is_classifier(hf_cfg: HFConfig, model: Any = None) -> bool:
 def _build(cfg: EncoderConfig, sd: dict[str, np.ndarray], fam: Family, classifier: bool) -> dict[str, Any]:
     """Fill our params tree (shapes from the module itself) from a state dict; every leaf must be mapped."""
     model = Classifier(cfg) if classifier else Encoder(cfg)
-    tokens = jnp.zeros((1, 1), jnp.int32)
-    shapes = nn.unbox(jax.eval_shape(lambda: model.init(jax.random.key(0), tokens, tokens > 0)))["params"]
+    shapes = nn.unbox(abstract_params(model))
     rows = _maps(cfg, fam, classifier)
     # A base model's own keys are bare; a MaskedLM/CausalLM checkpoint nests them under its prefix.
     first = next(r.hf_name for r in rows if r.kind != "ones")
