@@ -78,7 +78,7 @@ def param(module: nn.Module, name: str, init: Init, shape: tuple[int, ...], dtyp
 
 
 def abstract_params(model: nn.Module, length: int = 1) -> Any:
-    """The `params` collection `model.init(key, tokens, valid)` makes for a [1, length] batch, as
+    """The `params` collection `init_boxed` makes for a [1, length] batch, as
     jax.ShapeDtypeStructs boxed with their logical axis names: `nn.unbox` gives the shapes and dtypes,
     `nn.get_partition_spec` the logical PartitionSpecs. Nothing is computed or compiled.
 
@@ -94,12 +94,18 @@ def abstract_params(model: nn.Module, length: int = 1) -> Any:
     return jax.tree.map(lambda leaf: leaf, _abstract_params(model, length, x64))
 
 
+def init_boxed(model: nn.Module, seed: int, length: int) -> Any:
+    """The `params` collection `model.init` makes from `seed` for a dummy [1, length] batch (all tokens
+    real), boxed with its logical axis names; `abstract_params` is its shapes, computed without it."""
+    tokens = jnp.zeros((1, length), jnp.int32)
+    valid = jnp.ones((1, length), jnp.bool_)
+    return model.init(jax.random.key(seed), tokens, valid)["params"]
+
+
 @functools.lru_cache(maxsize=32)
 def _abstract_params(model: nn.Module, length: int, x64: bool) -> Any:
     del x64  # part of the key only: it decides the dtypes the trace gives
-    tokens = jnp.zeros((1, length), jnp.int32)
-    valid = jnp.ones((1, length), jnp.bool_)
-    return jax.eval_shape(lambda: model.init(jax.random.key(0), tokens, valid))["params"]
+    return jax.eval_shape(lambda: init_boxed(model, 0, length))
 
 
 class Weights(nn.Module):

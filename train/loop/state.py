@@ -8,12 +8,11 @@ from typing import Any
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import optax
 from flax import struct
 from flax.training import train_state
 
-from jaxblock.initializers import abstract_params
+from jaxblock.initializers import abstract_params, init_boxed
 from train.config import ConfigError, OptimConfig
 
 
@@ -112,17 +111,10 @@ def create_state(
                              frozen=tuple(optim.freeze))
 
 
-def init_variables(model: nn.Module, seed: int, batch_len: int) -> Any:
-    """The model's params with their logical axis metadata (boxed), from a dummy [1, L] batch (the abstract
-    twin, for shapes and logical PartitionSpecs, is `abstract_init`)."""
-    tokens = jnp.zeros((1, batch_len), jnp.int32)
-    valid = jnp.ones((1, batch_len), jnp.bool_)
-    return model.init(jax.random.key(seed), tokens, valid)["params"]
-
-
 def init_params(model: nn.Module, seed: int, batch_len: int) -> Any:
-    """Unboxed float params from a dummy [1, L] batch (logical axis metadata stripped)."""
-    return nn.unbox(init_variables(model, seed, batch_len))
+    """Unboxed float params from a dummy [1, L] batch (jaxblock.initializers.init_boxed with its logical
+    axis metadata stripped; the abstract twin, for shapes and logical PartitionSpecs, is `abstract_init`)."""
+    return nn.unbox(init_boxed(model, seed, batch_len))
 
 
 def abstract_init(model: nn.Module, batch_len: int) -> tuple[Any, Any]:
