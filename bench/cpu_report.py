@@ -1,6 +1,6 @@
 """python -m bench.cpu_report: every speed measurement of this repository on this machine, as one Markdown record.
 
-    python -m bench.cpu_report                      # ~12-15 min on a 2-core CPU; writes bench/records/<cpu>-<date>.md
+    python -m bench.cpu_report                      # ~13-15 min on a 2-core CPU; writes bench/records/<cpu>-<date>.md
                                                     # (or <cpu>-<date>-2.md, ...: an earlier record is never replaced)
     python -m bench.cpu_report --out record.md      # somewhere else
     python -m bench.cpu_report --quick              # tiny shapes: a smoke run of a minute or two
@@ -8,6 +8,7 @@
 It runs, one after the other, each in its own process (so each starts XLA with this machine's option set):
 
     python -m bench --only peak,train,infer,bert,options --no-torch-compile   # ours vs PyTorch, the options
+    python -m bench --only bert --malloc keep --no-torch-compile              # BERT again, no page faults
     python -m bench.tune_xla --dry-run                                        # the XLA candidates (nothing saved)
     python -m bench.profile --shape 1                                         # where the D=512 step's time goes
     python -m bench.profile --bert                                            # the same for the BERT step
@@ -65,6 +66,8 @@ def commands(quick: bool) -> list[tuple[str, list[str]]]:
     return [
         ("ours vs PyTorch eager and transformers, and what each option buys",
          ["-m", "bench", "--only", "peak,train,infer,bert,options", "--no-torch-compile", *q]),
+        ("the BERT step against transformers again, glibc keeping what the process frees: neither side "
+         "page-faults", ["-m", "bench", "--only", "bert", "--malloc", "keep", "--no-torch-compile", *q]),
         ("XLA's CPU options measured on this machine (nothing saved)", ["-m", "bench.tune_xla", "--dry-run", *q]),
         ("where the Pre-LN training step's time goes" + ("" if quick else " at N8 L256 D512")
          + " (the trace slows the step)", ["-m", "bench.profile", "--shape", "1", *q]),
@@ -248,7 +251,8 @@ def main(argv: list[str] | None = None) -> int:
 
     malloc = ("malloc: transparent huge pages for the commands that run only JAX (glibc.malloc.hugetlb=1, "
               "train/host_memory.py); glibc's defaults for `python -m bench`, which times PyTorch in the same "
-              "process" if host_memory.wanted() else host_memory.status())
+              "process, and for its second BERT run glibc keeping what is freed (`--malloc keep`)"
+              if host_memory.wanted() else host_memory.status())
     vers, git = versions(), git_state()
     outcomes: list[Outcome] = []
     complete = True

@@ -10,9 +10,15 @@ call ends. glibc serves such a block with a fresh mmap and returns it with munma
 its temporaries in again, 4 KiB at a time: 55,000-127,000 minor page faults and 117-248 ms of system time
 a step on the benchmark steps, 20-30% of their time (docs/performance-cpu.md). With the tunable, glibc
 asks the kernel for transparent huge pages on those mappings (madvise): 2 MiB at a time, a few hundred
-faults a step, the same memory. Keeping the freed block instead (one arena, no mmap) was measured too and
-left out: glibc 2.36's aligned allocation cannot reuse a freed block of exactly the size it asks for
-again, so the heap grew by the block every few steps.
+faults a step, the same memory.
+
+The other way to the same end, `keep_freed_blocks()`, is not the default here: glibc keeps everything the
+process frees (one arena, no mmap, no trimming) and serves the next step's block from the heap without a
+fault. It acts at once, without re-executing, and for every library in the process; but the memory is
+never given back, and it fragments: one step called again and again stayed at the same size (the BERT step
+over 60 calls, the D512 step over 40), the two alternating, as a training loop alternates its train and
+eval programs, grew from 1.9 to 2.8 GiB in 15 rounds of one run (AMD EPYC, 2026-12-03). `python -m bench
+--malloc keep` uses it to time both libraries in one process without page faults.
 
 Not for a process that also runs PyTorch: timed interleaved with PyTorch's eager step in one process, the
 N8 L256 D512 step took 850-1,080 ms instead of 530-590 ms alone, with the same page faults but 590-790 ms of
@@ -30,6 +36,7 @@ nor with JAXBLOCK_HUGE_PAGES=off. `status()` says what this process runs with.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import platform
 import sys
@@ -38,6 +45,9 @@ from pathlib import Path
 TUNABLE = "glibc.malloc.hugetlb"
 SWITCH = "JAXBLOCK_HUGE_PAGES"  # "off" keeps glibc's defaults
 _THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+# mallopt's parameters (glibc's malloc.h)
+_M_TRIM_THRESHOLD, _M_MMAP_MAX, _M_ARENA_MAX = -1, -4, -8
+_kept = False  # keep_freed_blocks() took effect in this process
 
 
 def _glibc_at_least(major: int, minor: int) -> bool:
@@ -90,8 +100,29 @@ def reexec_with_huge_pages() -> None:
         return  # could not re-execute: carry on with glibc's defaults
 
 
+def keep_freed_blocks() -> bool:
+    """Make glibc keep what this process frees: one arena for every thread, no block served by mmap, the
+    heap never trimmed. A block freed at the end of one step (XLA's temporaries, PyTorch's tensors) is then
+    the next step's, with no page faults. Call it before any thread starts (threads started earlier keep
+    their own arenas, whose blocks over 64 MiB glibc still maps afresh). The memory is never given back to the
+    system. Returns whether glibc took all three settings: False where malloc is not glibc's (nothing
+    changed) or glibc refused one."""
+    global _kept
+    if not (sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc"):
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    settings = ((_M_ARENA_MAX, 1), (_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, 2**31 - 1))
+    _kept = all(libc.mallopt(param, value) == 1 for param, value in settings)
+    return _kept
+
+
 def status() -> str:
     """A few words for the `machine:` lines: how malloc serves XLA's large blocks in this process."""
+    if _kept:
+        return "malloc: freed blocks kept (one arena, no mmap, no trimming: keep_freed_blocks)"
     value = _user_tunable(os.environ)
     if value == "1":
         return "malloc: transparent huge pages (glibc.malloc.hugetlb=1)"
