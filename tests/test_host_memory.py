@@ -127,3 +127,5 @@ def test_keep_freed_blocks_serves_a_freed_block_again_without_page_faults():
     assert fresh > pages // 2  # glibc's defaults: a block this large is mapped afresh and faults in each round
     assert again < pages // 100, (again, fresh)
     assert status.startswith("malloc: freed blocks kept") and plain_status == "malloc: glibc's defaults"
+    (_, _, both) = json.loads(_run(KEEP.format(keep=True), GLIBC_TUNABLES="glibc.malloc.hugetlb=1")[-1])
+    assert both.startswith("malloc: freed blocks kept") and both.endswith("glibc.malloc.hugetlb=1")

@@ -121,9 +121,10 @@ def keep_freed_blocks() -> bool:
 
 def status() -> str:
     """A few words for the `machine:` lines: how malloc serves XLA's large blocks in this process."""
-    if _kept:
-        return "malloc: freed blocks kept (one arena, no mmap, no trimming: keep_freed_blocks)"
     value = _user_tunable(os.environ)
+    if _kept:
+        return ("malloc: freed blocks kept (one arena, no mmap, no trimming: keep_freed_blocks)"
+                + (f"; glibc.malloc.hugetlb={value}" if value is not None else ""))
     if value == "1":
         return "malloc: transparent huge pages (glibc.malloc.hugetlb=1)"
     if value is not None:
