@@ -251,8 +251,8 @@ def main(argv: list[str] | None = None) -> int:
 
     malloc = ("malloc: transparent huge pages for the commands that run only JAX (glibc.malloc.hugetlb=1, "
               "train/host_memory.py); glibc's defaults for `python -m bench`, which times PyTorch in the same "
-              "process, and for its second BERT run glibc keeping what is freed (`--malloc keep`)"
-              if host_memory.wanted() else host_memory.status())
+              "process" if host_memory.wanted() else host_memory.status())
+    malloc += ", except its second BERT run: glibc keeping what is freed (`--malloc keep`)"
     vers, git = versions(), git_state()
     outcomes: list[Outcome] = []
     complete = True
