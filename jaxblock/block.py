@@ -6,7 +6,7 @@ Post-LN:  U = LN1(X + Drop(MHA(X)))        Y = LN2(U + Drop(FFN(U)))
 X, U, Y are [N, L, D]. Two distinct norm instances: attn_norm (LN1) and ffn_norm (LN2). Recorded intermediates
 (collection 'intermediates'): norm1, attn_branch, after_attn, norm2, ffn_branch, after_ffn, where
 `after_*` is the residual sum and `norm*` is that norm's output. The same wiring as data (order, which
-submodule computes each value, from what) is `jaxblock.wiring`; tests/test_block.py keeps the two equal.
+submodule computes each value, from what) is `jaxblock.wiring`; tests/jaxblock/test_block.py keeps the two equal.
 """
 
 from __future__ import annotations

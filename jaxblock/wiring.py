@@ -7,7 +7,7 @@ Every value the block records (collection 'intermediates') is a `Site`: its name
 sublayer produces it, which submodule of the block computes it, and which values it reads ("x" is
 the block's input). A `Wiring` lists the sites in execution order and names the one that is the
 block's output. Diagnostics replay this description with independent float64 norms, and the
-PyTorch parity harness derives its hook points from it; tests/test_block.py checks it against a
+PyTorch parity harness derives its hook points from it; tests/jaxblock/test_block.py checks it against a
 real apply of EncoderBlock, so the code and this description cannot drift apart.
 
 All values are [N, L, D].

@@ -159,7 +159,7 @@ def reference_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[
     return workdir, run.train(tiny_config(), workdir)
 
 
-# Streamed corpora (tests/test_stream.py, test_elastic_resume.py, test_stream_exit.py): numbered lines read
+# Streamed corpora (tests/train/data/test_stream.py, test_elastic_resume.py, test_stream_exit.py): numbered lines read
 # through an id tokenizer, so every example names the line it came from.
 STREAM_LINES = 600
 
@@ -262,7 +262,7 @@ def signal_at(step: int):
     return lambda source: Faulty(source, step, send, examples=False)
 
 
-# Multi-process runs (tests/test_multihost.py, tests/test_mlm_train.py).
+# Multi-process runs (tests/train/devices/test_multihost.py, tests/train/tasks/test_mlm.py).
 PROCESS_TIMEOUT = 600  # seconds for a whole multi-process run on a loaded 2-core machine
 
 

@@ -150,7 +150,7 @@ def test_every_link_between_the_pages_reaches_its_page_and_heading():
 
 
 def test_every_repository_path_the_pages_name_exists():
-    """A page naming `train/loop/step.py` or `tests/test_faults.py` names a file that is there (paths go
+    """A page naming `train/loop/step.py` or `tests/faults/test_faults.py` names a file that is there (paths go
     stale when modules move)."""
     named = 0
     for page in [README, *DOCS.glob("*.md")]:

@@ -13,7 +13,7 @@
 
 Batches arrive as host numpy dicts holding this process's contiguous share of the global batch
 (`Runner.data_share()` says which share); the runner assembles the global array. `train.batch_size`
-is the global batch, so every layout computes the same numbers (tests/test_parallel.py).
+is the global batch, so every layout computes the same numbers (tests/train/devices/test_runners.py).
 The runner also owns every gather to the host (`fetch`, `host_params`). Multi-host: the run module calls
 `initialize_distributed(config.parallel)` once, before anything touches a device; every process then
 runs the same program, only `is_primary()` logs, and all processes save checkpoints.

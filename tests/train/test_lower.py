@@ -1,0 +1,232 @@
+"""`python -m train lower`: the train step and inference exported for TPU and CUDA on an abstract mesh, on
+this CPU host, with the kernel each layer was promised found in the lowered module; bad input is one line
+and exit 2; and what ran per layer is recorded in run.json.
+
+Fast: the tiny config on a few layouts. Slow: every config of configs/ x layout x platform (the table of
+docs/accelerators-lowering.md, written by `python -m bench.lowering`).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax
+import pytest
+
+from tests.conftest import ROOT, TINY
+from train.__main__ import main
+
+# Packed training rows (segment ids) and bf16: the Pallas GPU kernel in training, cuDNN for the padded eval.
+PACKED = ["data.packing=true", "model.pooling=mean"]
+
+
+def run(*argv: str) -> int:
+    """`python -m train ...` in this process: its exit code (argparse's usage errors exit from inside)."""
+    try:
+        return main(list(argv))
+    except SystemExit as done:
+        return int(done.code or 0)
+
+
+def lower_json(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, dict]:
+    code = run("lower", "--config", str(TINY), "--json", "--no-compile", *args)
+    out = capsys.readouterr().out
+    return code, json.loads(out) if out.strip() else {}
+
+
+def kernels(report: dict, call: str) -> list[tuple[str, bool, list[str]]]:
+    """(kernel, found, kernel names in the module) per layer of a call."""
+    entry = next(c for c in report["calls"] if c["call"] == call)
+    assert entry["lowered"], entry["error"]
+    return [(x["kernel"], x["ok"], [name or target for target, name in x["found"]]) for x in entry["layers"]]
+
+
+def test_tpu_every_layer_runs_splash_in_the_lowered_train_step_and_inference(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # writes nothing: the working directory stays empty
+    code, report = lower_json(capsys, "--platform", "tpu", "--layout", "dp+fsdp+tp", *PACKED)
+    assert code == 0 and report["ok"]
+    assert report["mesh"] == {"data": 2, "fsdp": 2, "tensor": 2} | {
+        a: 1 for a in report["mesh"] if a not in ("data", "fsdp", "tensor")}
+    train, infer = kernels(report, "train"), kernels(report, "eval")
+    assert len(train) == len(infer) == 2
+    for kernel, found, names in train:
+        assert kernel == "splash" and found
+        assert {"splash_mqa_fwd_segmented_residuals", "splash_mqa_dkv_segmented_no_residuals",
+                "splash_mqa_dq_segmented_no_residuals"} <= set(names)
+    for kernel, found, names in infer:
+        assert kernel == "splash" and found and names == ["splash_mqa_fwd_segmented_no_residuals"]
+    memory = report["memory"]
+    assert 0 < memory["parameters"] < memory["parameters_global"]  # fsdp and tensor split the parameters
+    assert memory["gradients"] == memory["parameters"]
+    assert memory["total"] == memory["parameters"] + memory["gradients"] + memory["optimizer_state"]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_cuda_finds_the_pallas_kernel_for_packed_rows_and_says_cudnn_was_substituted():
+    from train.lower import lower, render, resolve
+
+    target = resolve(str(TINY), ["model.block.dtype=bfloat16", "model.num_layers=1", *PACKED], "cuda", 8, "dp+tp")
+    report = lower(target, str(TINY), compile_collectives=False)
+    assert report.ok
+    train, infer = report.calls
+    for layer in train.layers:
+        assert layer.kernel == "pallas_gpu" and layer.ok
+        assert {"mha_forward", "mha_backward"} <= {name for _, name in layer.found}
+    for layer in infer.layers:  # padded bf16 rows: cuDNN, which this host cannot trace without the CUDA plugin
+        assert layer.kernel == "cudnn" and layer.substitute == "xla" and layer.ok and not layer.found
+    assert "cuDNN needs the CUDA plugin); lowered with xla" in render(report)
+
+
+def test_a_promised_kernel_missing_from_the_module_fails_with_exit_1(capsys, monkeypatch):
+    from jaxblock.attention import dispatch
+
+    # Pretend the XLA kernel leaves a custom call: the lowered module (plain XLA) does not hold it.
+    monkeypatch.setitem(dispatch.LOWERED_MARKERS, "xla", "__no_such_target")
+    code = main(["lower", "--config", str(TINY), "--platform", "cuda", "--layout", "single", "--no-compile",
+                 "model.num_layers=1"])
+    out = capsys.readouterr().out
+    assert code == 1
+    assert "MISSING from the module" in out and out.strip().splitlines()[-1].startswith("result: FAILED")
+
+
+def test_collectives_over_one_device_groups_are_not_counted():
+    from train.lower import lowered_collectives
+
+    text = "\n".join([
+        '%1 = "stablehlo.all_reduce"(%0) <{replica_groups = dense<[[0], [1]]> : tensor<2x1xi64>}> ({',
+        '%2 = "stablehlo.all_reduce"(%0) <{replica_groups = dense<[[0, 1]]> : tensor<1x2xi64>}> ({',
+        '%3 = "stablehlo.all_gather"(%0) <{all_gather_dim = 0 : i64, replica_groups = dense<[[0, 1]]> : '
+        'tensor<1x2xi64>}> : (tensor<2xf32>) -> tensor<4xf32>',
+        '%4 = "stablehlo.collective_permute"(%0) <{source_target_pairs = dense<[[0, 1], [1, 0]]> : '
+        'tensor<2x2xi64>}> : (tensor<2xf32>) -> tensor<2xf32>',
+    ])
+    assert lowered_collectives(text) == {"all-reduce": 1, "all-gather": 1, "reduce-scatter": 0,
+                                         "collective-permute": 1, "all-to-all": 0}
+
+
+@pytest.mark.slow
+def test_the_compiled_step_counts_the_partitioners_collectives(capsys):
+    assert len(jax.devices("cpu")) >= 2, "tests/conftest.py simulates 8 CPU devices"
+    code = main(["lower", "--config", str(TINY), "--platform", "tpu", "--devices", "2", "--layout", "fsdp",
+                 "model.num_layers=1", "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert code == 0
+    assert report["compiled_collectives"]["all-gather"] > 0  # FSDP gathers its parameter shards
+    assert "compiled for CPU on 2 devices" in report["compiled_note"]
+
+
+@pytest.mark.parametrize(("args", "says"), [
+    (["--platform", "rocm"], "invalid choice: 'rocm'"),
+    (["--platform", "tpu", "--devices", "0"], "'0' is not a device count"),
+    (["--platform", "tpu", "parallel.mesh.data=3"], "parallel.mesh"),
+    (["--platform", "tpu", "--layout", "dp+fsdp+tp", "--devices", "6"], "needs a multiple of 4 devices"),
+    (["--platform", "tpu", "--layout", "single", "--devices", "8"], "--layout single is one device"),
+    (["--platform", "tpu", "--layout", "dp", "parallel.mesh.fsdp=2"], "pass one of them"),
+    (["--platform", "tpu", "--layout", "dp", "--devices", "64"], "train.batch_size=32 (global) does not split"),
+    (["--platform", "tpu", "optim.lrr=1"], "did you mean 'optim.lr'"),
+])
+def test_bad_input_is_one_line_and_exit_2(capsys, args, says):
+    assert run("lower", "--config", str(TINY), "--no-compile", *args) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert len(captured.err.strip().splitlines()) == 1 and says in captured.err
+
+
+def test_a_missing_config_is_one_line_and_exit_2(capsys, tmp_path):
+    assert run("lower", "--config", str(tmp_path / "nope.yaml"), "--platform", "tpu") == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "not found" in err
+
+
+def test_init_from_a_run_that_is_not_here_lowers_the_shape_the_config_states(tmp_path):
+    from train.lower import resolve
+
+    missing = tmp_path / "no-run"
+    target = resolve(str(TINY), [f"model.init_from={missing}", "model.num_layers=3"], "tpu")
+    assert target.config.model.num_layers == 3
+    assert any("holds no run on this machine" in note for note in target.notes)
+
+
+def test_sharded_optimizer_state_follows_its_parameters_with_frozen_ones(tiny):
+    """optim.freeze leaves frozen parameters without moments; the sharded runner's state shardings still
+    give every moment its parameter's sharding (they once failed to build on any mesh of > 1 device)."""
+    from jax.sharding import AbstractMesh, AxisType
+
+    from train.config import MESH_AXES
+    from train.devices.mesh import logical_rules, param_shardings, state_shardings
+    from train.loop.state import abstract_init, create_state
+    from train.tasks import task_for
+
+    cfg = tiny("optim.freeze=[embedding]", "model.vocab_size=20", "model.num_classes=2")
+    model = task_for(cfg).build_model(cfg.model)
+    params, specs = abstract_init(model, 16)
+    state = jax.eval_shape(lambda p: create_state(model, p, cfg.optim, 10), params)
+    sizes = {"fsdp": 4, "tensor": 2}
+    mesh = AbstractMesh(tuple(sizes.get(a, 1) for a in MESH_AXES), MESH_AXES,
+                        axis_types=(AxisType.Auto,) * len(MESH_AXES))
+    params_sh, _ = param_shardings(specs, params, mesh, logical_rules(cfg.parallel))
+    state_sh = state_shardings(state, params_sh, mesh)
+    opt_sh = state_sh.opt_state
+    by_param = {jax.tree_util.keystr(p): sh for p, sh in jax.tree_util.tree_flatten_with_path(params_sh)[0]}
+    moments = [(jax.tree_util.keystr(p), sh) for p, sh in jax.tree_util.tree_flatten_with_path(opt_sh)[0]
+               if ".mu" in jax.tree_util.keystr(p)]
+    assert moments and not any(path.endswith("['encoder']['embedding']") for path, _ in moments)
+    for path, sh in moments:
+        assert sh == next(by_param[name] for name in by_param if path.endswith(name)), path
+
+    from train.lower import _memory
+
+    memory = _memory(state, state_sh, cfg.optim.freeze)  # the frozen table has no gradient and no moments
+    table = params["encoder"]["embedding"]
+    assert memory["parameters"] - memory["gradients"] == table.size * 4 // 8  # [V, D]: V over tensor, D over fsdp
+
+
+def test_run_json_records_each_layers_kernel_for_the_train_and_eval_calls(reference_run):
+    workdir, _ = reference_run
+    session = json.loads((workdir / "run.json").read_text())["sessions"][-1]
+    record = session["attention"]
+    assert record["platform"] == "cpu"
+    for call in ("train", "eval"):
+        (group,) = record[call]  # tiny: one bucket length, one choice for it
+        assert group["lengths"] == [16]
+        assert [x["layer"] for x in group["layers"]] == [0, 1]
+        assert all(x["kernel"] == "dense" and "CPU" in x["reason"] for x in group["layers"])
+
+
+# --- the grid ---------------------------------------------------------------------------------------------
+
+
+def _configs() -> list[Path]:
+    return sorted((ROOT / "configs").glob("*.yaml"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("platform", ["tpu", "cuda"])
+@pytest.mark.parametrize("config", _configs(), ids=lambda p: p.stem)
+def test_every_config_lowers_on_every_layout(config, platform):
+    """Every config x layout (single, DP, FSDP, TP and their mixes, context where the mesh has it) lowers,
+    and every layer's promised kernel is in the module. On TPU every layer runs splash, in training too
+    unless attention-weight dropout is on (then the unfused path: no fused kernel has dropout; the *_tpu
+    configs turn it off) or the layout splits the sequence (the context-parallel kernel)."""
+    from bench.lowering import layouts_for
+    from train.lower import lower, resolve
+
+    problems = []
+    for layout in layouts_for(8):
+        target = resolve(str(config), [], platform, None if layout == "single" else 8, layout)
+        report = lower(target, str(config), compile_collectives=False)
+        problems += [f"{layout} {c.call}: {c.error}" for c in report.calls if not c.lowered]
+        problems += [f"{layout} {c.call} layer {x.layer}: {x.kernel} not in the module" for c in report.calls
+                     for x in c.layers if c.lowered and not x.ok]
+        if platform != "tpu":
+            continue
+        dropout = target.config.model.block.attn_dropout > 0
+        for call in report.calls:
+            allowed = {"splash"} | ({"context"} if target.mesh.get("context", 1) > 1 else set())
+            allowed |= {"unfused"} if call.call == "train" and dropout else set()
+            problems += [f"{layout} {call.call} layer {x.layer}: {x.kernel}" for x in call.layers
+                         if x.kernel not in allowed]
+        if config.stem.endswith("_tpu"):
+            assert not dropout, "a TPU config keeps the fused kernel: model.block.attn_dropout=0"
+    assert not problems, problems
