@@ -4,7 +4,7 @@
     python -m bench.lowering --configs tiny,sentiment_tpu --layouts dp,tp --platforms tpu --out -
 
 For each cell it exports the train step and the inference for the platform on an abstract mesh of --devices
-accelerator devices (train/lower.py: no device, no weights, no data needed) and records whether both
+accelerator devices (train/aot/lower.py: no device, no weights, no data needed) and records whether both
 lowered, the kernel each layer got and whether the lowered module holds it, and the memory per device of
 parameters, gradients and optimizer state. The collectives are left out here (they need a CPU compile per
 cell: `python -m train lower` prints them). Exit codes: 0 every cell lowered with every promised kernel
@@ -41,13 +41,13 @@ class Cell:
 
 
 def layouts_for(devices: int) -> list[str]:
-    from train.lower import LAYOUTS
+    from train.aot.lower import LAYOUTS
 
     return [name for name in LAYOUTS if name == "single" or devices % _multiple(name) == 0]
 
 
 def _multiple(layout: str) -> int:
-    from train.lower import LAYOUT_MULTIPLE
+    from train.aot.lower import LAYOUT_MULTIPLE
 
     return max(2, LAYOUT_MULTIPLE.get(layout, 1))
 
@@ -57,7 +57,7 @@ def configs_in(directory: Path = ROOT / "configs") -> list[Path]:
 
 
 def _kernels(report: object) -> str:
-    from train.lower import Report
+    from train.aot.lower import Report
 
     assert isinstance(report, Report)
     parts = []
@@ -78,7 +78,7 @@ def _kernels(report: object) -> str:
 def check(config: Path, layout: str, platform: str, devices: int) -> Cell:
     """One cell of the grid (bad input, e.g. a batch the mesh cannot split, is a cell that did not lower)."""
     from train.errors import ONE_LINE_ERRORS
-    from train.lower import lower, mesh_text, one_line_error, resolve, size
+    from train.aot.lower import lower, mesh_text, one_line_error, resolve, size
 
     start = time.perf_counter()
     name = config.stem
@@ -143,7 +143,7 @@ def markdown(cells: list[Cell], devices: int, seconds: float) -> str:
         "and its inference (the eval step) with `jax.export` for the platform, on an abstract mesh of "
         f"{devices} accelerator",
         "devices (one for `single`) with the run's shardings, exactly as `python -m train lower` does",
-        "(train/lower.py), and checks that every layer's lowered module holds the attention kernel the dispatch",
+        "(train/aot/lower.py), and checks that every layer's lowered module holds the attention kernel the dispatch",
         "promised (`ok/n`: layers where it was found, of n). `cudnn→xla`: cuDNN cannot be traced without the",
         "CUDA plugin, so that call was lowered with the kernel the dispatch picks without cuDNN (XLA's);",
         "`unfused` is attention-weight dropout in training (no fused kernel has it). Memory per device is",
@@ -173,7 +173,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from train.lower import LAYOUTS, PLATFORMS
+    from train.aot.lower import LAYOUTS, PLATFORMS
 
     parser = _parser()
     args = parser.parse_args(argv)

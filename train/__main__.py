@@ -10,7 +10,7 @@
     python -m train verify --workdir W                              read every checkpoint back, write nothing
     python -m train export --workdir W [--out DIR]                  a jax.export artifact (train/export.py)
     python -m train serve (--exported DIR | --workdir W)            JSON HTTP predict/embed (train/serving/)
-    python -m train lower --config C --platform tpu|cuda            will it run on N devices (train/lower.py)
+    python -m train lower --config C --platform tpu|cuda            will it run on N devices (train/aot/lower.py)
 
 Exit codes: 0 success; 1 a check failed or the run halted on non-finite values; 2 bad input, usage, a busy
 workdir, a damaged checkpoint or a full disk (one line on stderr, nothing already written lost); 130
@@ -219,7 +219,7 @@ def cmd_serve(argv: list[str], interrupts: Any = None) -> int:
 
 
 def cmd_lower(argv: list[str], interrupts: Any = None) -> int:
-    return _delegate("train.lower", argv)
+    return _delegate("train.aot.lower", argv)
 
 
 COMMANDS = {"evaluate": cmd_evaluate, "predict": cmd_predict, "schema": cmd_schema, "diagnose": cmd_diagnose,

@@ -64,7 +64,7 @@ def test_tpu_every_layer_runs_splash_in_the_lowered_train_step_and_inference(cap
 
 
 def test_cuda_finds_the_pallas_kernel_for_packed_rows_and_says_cudnn_was_substituted():
-    from train.lower import lower, render, resolve
+    from train.aot.lower import lower, render, resolve
 
     target = resolve(str(TINY), ["model.block.dtype=bfloat16", "model.num_layers=1", *PACKED], "cuda", 8, "dp+tp")
     report = lower(target, str(TINY), compile_collectives=False)
@@ -91,7 +91,7 @@ def test_a_promised_kernel_missing_from_the_module_fails_with_exit_1(capsys, mon
 
 
 def test_collectives_over_one_device_groups_are_not_counted():
-    from train.lower import lowered_collectives
+    from train.aot.lower import lowered_collectives
 
     text = "\n".join([
         '%1 = "stablehlo.all_reduce"(%0) <{replica_groups = dense<[[0], [1]]> : tensor<2x1xi64>}> ({',
@@ -140,7 +140,7 @@ def test_a_missing_config_is_one_line_and_exit_2(capsys, tmp_path):
 
 
 def test_init_from_a_run_that_is_not_here_lowers_the_shape_the_config_states(tmp_path):
-    from train.lower import resolve
+    from train.aot.lower import resolve
 
     missing = tmp_path / "no-run"
     target = resolve(str(TINY), [f"model.init_from={missing}", "model.num_layers=3"], "tpu")
@@ -175,7 +175,7 @@ def test_sharded_optimizer_state_follows_its_parameters_with_frozen_ones(tiny):
     for path, sh in moments:
         assert sh == next(by_param[name] for name in by_param if path.endswith(name)), path
 
-    from train.lower import _memory
+    from train.aot.lower import _memory
 
     memory = _memory(state, state_sh, cfg.optim.freeze)  # the frozen table has no gradient and no moments
     table = params["encoder"]["embedding"]
@@ -210,7 +210,7 @@ def test_every_config_lowers_on_every_layout(config, platform):
     unless attention-weight dropout is on (then the unfused path: no fused kernel has dropout; the *_tpu
     configs turn it off) or the layout splits the sequence (the context-parallel kernel)."""
     from bench.lowering import layouts_for
-    from train.lower import lower, resolve
+    from train.aot.lower import lower, resolve
 
     problems = []
     for layout in layouts_for(8):
