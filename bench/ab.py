@@ -1,7 +1,7 @@
 """python -m bench.ab: this machine's before/after of the CPU-independent speed changes, timed interleaved.
 
     python -m bench.ab                         # every change: about 5 minutes on a 2-core CPU
-    python -m bench.ab --only freeze,dropout   # some of them
+    python -m bench.ab --only freeze            # some of them
     python -m bench.ab --reps 9 --rounds 3     # more timed calls (in-process) / more alternations (processes)
     python -m bench.ab --quick                 # tiny shapes: a smoke run of a minute
 
@@ -10,8 +10,6 @@ Each change is measured against its own absence in the same run, so the ratio ho
 - freeze: the fine-tuning step of the pretrained job (all-MiniLM-L6-v2's shape, N32 L48, dropout 0.1, AdamW,
   clipping) with `optim.freeze: [embedding]`, as configs/sentiment_pretrained.yaml trains it, against the
   same step training the [30522, 384] token table. Both compiled in this process, timed A, B, A, B.
-- dropout: the same step, every dropout mask drawn by `jaxblock.dropout.bernoulli` (the hash unrolled into
-  one fusion) against `jax.random.bernoulli` (the same bits, JAX's CPU lowering). Compiled in this process.
 - huge_pages: the same step and the N8 L256 D512 Pre-LN training step of `python -m bench`, each in its own
   process, alternately with transparent huge pages for malloc's large blocks (the default of `python -m
   train` and the bench commands: train/host_memory.py) and with `JAXBLOCK_HUGE_PAGES=off` (glibc's
@@ -36,7 +34,7 @@ from pathlib import Path
 
 from bench.arguments import exit_process
 
-CHANGES = ("freeze", "dropout", "huge_pages")
+CHANGES = ("freeze", "huge_pages")
 QUICK = os.environ.get("JAXBLOCK_BENCH_AB_QUICK") == "1"  # --quick, passed on to the huge_pages children
 
 
@@ -72,23 +70,6 @@ def freeze(reps: int, rounds: int) -> list[tuple[str, float, float]]:
     del rounds
     med = _interleaved({"before": _bert_step(), "after": _bert_step(freeze=("embedding",))}, reps)
     return [("freeze: MiniLM fine-tune step, token table trained -> frozen", med["before"], med["after"])]
-
-
-def dropout(reps: int, rounds: int) -> list[tuple[str, float, float]]:
-    import jax
-
-    import jaxblock.dropout as jd
-
-    del rounds
-    fused = jd.bernoulli
-    jd.bernoulli = jax.random.bernoulli  # type: ignore[assignment]  # read at trace time by every Dropout
-    try:
-        before = _bert_step()
-    finally:
-        jd.bernoulli = fused  # type: ignore[assignment]
-    med = _interleaved({"before": before, "after": _bert_step()}, reps)
-    return [("dropout: MiniLM fine-tune step, jax.random.bernoulli -> one fused mask pass", med["before"],
-             med["after"])]
 
 
 def huge_pages(reps: int, rounds: int) -> list[tuple[str, float, float]]:

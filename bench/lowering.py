@@ -77,8 +77,8 @@ def _kernels(report: object) -> str:
 
 def check(config: Path, layout: str, platform: str, devices: int) -> Cell:
     """One cell of the grid (bad input, e.g. a batch the mesh cannot split, is a cell that did not lower)."""
-    from train.errors import ONE_LINE_ERRORS
     from train.aot.lower import lower, mesh_text, one_line_error, resolve, size
+    from train.errors import ONE_LINE_ERRORS
 
     start = time.perf_counter()
     name = config.stem

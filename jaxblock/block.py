@@ -21,8 +21,6 @@ import jax.numpy as jnp
 from jaxblock import masks
 from jaxblock.attention import SelfAttention
 from jaxblock.config import BlockConfig
-from jaxblock.cpu_switch import compiled_when_eager
-from jaxblock.dropout import Dropout
 from jaxblock.ffn import FeedForward
 from jaxblock.norms import make_norm
 from jaxblock.wiring import WIRINGS
@@ -46,8 +44,8 @@ class EncoderBlock(nn.Module):
         self.ffn_norm = make_norm(cfg)
         if cfg.ablate != "ffn":
             self.ffn = FeedForward(cfg)
-        self.attn_residual_dropout = Dropout(cfg.residual_dropout)
-        self.ffn_residual_dropout = Dropout(cfg.residual_dropout)
+        self.attn_residual_dropout = nn.Dropout(cfg.residual_dropout)
+        self.ffn_residual_dropout = nn.Dropout(cfg.residual_dropout)
 
     def __call__(
         self,
@@ -99,12 +97,11 @@ class EncoderBlock(nn.Module):
         return y
 
     def _record(self, name: str, value: jax.Array) -> jax.Array:
-        """Sow `value` as the recorded site `name` and pass it on (jaxblock.cpu_residual_gradient intercepts here)."""
+        """Sow `value` as the recorded site `name` and pass it on (the diagnostics read these sites)."""
         self.sow("intermediates", name, value)
         return value
 
 
-@compiled_when_eager("dtype")
 def _finite_padding(x: jax.Array, valid_tokens: jax.Array, dtype: Any) -> jax.Array:
     """x [N, L, D] with non-finite padded values set to 0, in `dtype`."""
     return jnp.where(valid_tokens[..., None] | jnp.isfinite(x), x, 0).astype(dtype)

@@ -12,15 +12,20 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Sequence
-from typing import Any, cast
+from typing import Any
 
-import flax
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 Init = Any
+
+
+def logical(init: Init, axes: tuple[str | None, ...]) -> Init:
+    """`init` boxed with the logical names of its array's axes (flax.linen.with_logical_partitioning); the
+    parameter `Module.param` declares with it reads as a plain array."""
+    return logical(init, axes)
 
 
 def uniform(bound: float) -> Init:
@@ -46,7 +51,7 @@ def kernel_init(
         init = uniform(torch_bound if torch_bound is not None else 1.0 / math.sqrt(fan_in))
     else:
         init = nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal", in_axis, out_axis)
-    return nn.with_logical_partitioning(init, axes)
+    return logical(init, axes)
 
 
 def bias_init(scheme: str, fan_in: int, axes: tuple[str | None, ...], zero: bool = False) -> Init:
@@ -54,27 +59,7 @@ def bias_init(scheme: str, fan_in: int, axes: tuple[str | None, ...], zero: bool
         init = uniform(1.0 / math.sqrt(fan_in))
     else:
         init = nn.initializers.zeros_init()
-    return nn.with_logical_partitioning(init, axes)
-
-
-def param(module: nn.Module, name: str, init: Init, shape: tuple[int, ...], dtype: Any) -> jax.Array:
-    """module.param with a boxed (logically partitioned) init, typed as the plain array apply sees.
-
-    Initializing, this is `module.param`: the init runs, and Flax checks the name is free and the call
-    is allowed. Applying, the parameter exists and is read as stored, with its shape checked against
-    `shape` (a wrong one raises Flax's ScopeParamShapeError, naming the parameter and both shapes).
-    `module.param` would instead trace the init abstractly (jax.eval_shape) on every forward pass, eager
-    or traced, only to learn the shape our initializers make by construction: ~0.2 ms a parameter, which
-    the tests of the model, the blocks and the diagnostics (eager forward passes) paid ~13% of their time
-    for (54.3-56.8 s -> 46.8-50.7 s, interleaved, on a 2-core AMD EPYC). The name and placement checks
-    `module.param` makes ran when the parameter was created."""
-    if module.has_variable("params", name):
-        value = nn.meta.unbox(module.get_variable("params", name))
-        if tuple(np.shape(value)) != tuple(shape):
-            raise flax.errors.ScopeParamShapeError(name, module.scope.path_text if module.scope else "",
-                                                   tuple(np.shape(value)), tuple(shape))
-        return cast(jax.Array, value)
-    return cast(jax.Array, module.param(name, init, shape, dtype))
+    return logical(init, axes)
 
 
 def abstract_params(model: nn.Module, length: int = 1) -> Any:
@@ -124,6 +109,6 @@ class Weights(nn.Module):
 
     @nn.compact
     def __call__(self) -> tuple[jax.Array, jax.Array | None]:
-        kernel = param(self, "kernel", self.kernel_init, self.kernel_shape, self.param_dtype)
-        bias = param(self, "bias", self.bias_init, self.bias_shape, self.param_dtype) if self.use_bias else None
+        kernel = self.param("kernel", self.kernel_init, self.kernel_shape, self.param_dtype)
+        bias = self.param("bias", self.bias_init, self.bias_shape, self.param_dtype) if self.use_bias else None
         return kernel, bias

@@ -19,8 +19,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxblock.cpu_switch import compiled_when_eager
-
 
 def check_valid_tokens(valid_tokens: jax.Array, batch_shape: tuple[int, ...]) -> None:
     """Trace-time check: valid_tokens must be bool[N, L] matching x's leading axes."""
@@ -36,7 +34,6 @@ def check_valid_tokens(valid_tokens: jax.Array, batch_shape: tuple[int, ...]) ->
         )
 
 
-@compiled_when_eager("causal")
 def attention_mask(
     valid_tokens: jax.Array,
     *,
@@ -96,7 +93,6 @@ def is_left_aligned(valid_tokens: Any) -> bool:
     return bool(np.all(v[:, :-1] | ~v[:, 1:]))
 
 
-@compiled_when_eager()
 def segment_positions(segment_ids: jax.Array) -> jax.Array:
     """int[N, L] position of each token within its own segment (restarts at 0 per segment)."""
     n, length = segment_ids.shape

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxblock.config import EncoderConfig
-from jaxblock.initializers import param
+from jaxblock.initializers import logical
 from jaxblock.model import Encoder
 from jaxblock.norms import make_norm
 
@@ -89,8 +89,8 @@ class MaskedLM(nn.Module):
         if self.transform:
             h = nn.Dense(
                 dim,
-                kernel_init=nn.with_logical_partitioning(nn.initializers.lecun_normal(), ("embed", "mlp")),
-                bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(), ("mlp",)),
+                kernel_init=logical(nn.initializers.lecun_normal(), ("embed", "mlp")),
+                bias_init=logical(nn.initializers.zeros_init(), ("mlp",)),
                 param_dtype=blk.params_dtype, dtype=blk.compute_dtype, name="transform_dense",
             )(h)
             h = nn.gelu(h, approximate=False)
@@ -102,16 +102,16 @@ class MaskedLM(nn.Module):
                 "NPD,VD->NPV", h, embedding.astype(blk.compute_dtype), preferred_element_type=jnp.float32
             ) * (1.0 / math.sqrt(dim))
         else:
-            kernel = param(
-                self, "output_kernel",
-                nn.with_logical_partitioning(nn.initializers.lecun_normal(), ("embed", "vocab")),
+            kernel = self.param(
+                "output_kernel",
+                logical(nn.initializers.lecun_normal(), ("embed", "vocab")),
                 (dim, cfg.vocab_size), blk.params_dtype,
             )
             logits = jnp.einsum(
                 "NPD,DV->NPV", h, jnp.asarray(kernel).astype(blk.compute_dtype), preferred_element_type=jnp.float32
             )
-        bias = param(
-            self, "output_bias", nn.with_logical_partitioning(nn.initializers.zeros_init(), ("vocab",)),
+        bias = self.param(
+            "output_bias", logical(nn.initializers.zeros_init(), ("vocab",)),
             (cfg.vocab_size,), blk.params_dtype,
         )
         logits = logits + jnp.asarray(bias).astype(jnp.float32)[None, None, :]

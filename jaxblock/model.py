@@ -18,11 +18,8 @@ import jax.numpy as jnp
 from jaxblock import masks
 from jaxblock.block import EncoderBlock
 from jaxblock.config import EncoderConfig, StackConfig
-from jaxblock.cpu_residual_gradient import settled_residuals
-from jaxblock.cpu_switch import compiled_when_eager
-from jaxblock.dropout import Dropout
 from jaxblock.ffn import gelu_exact
-from jaxblock.initializers import param
+from jaxblock.initializers import logical
 from jaxblock.norms import make_norm
 from jaxblock.positions import sinusoidal_table
 
@@ -45,11 +42,10 @@ class _Layer(EncoderBlock):
         self, x: jax.Array, valid_tokens: jax.Array, attn_mask: Any, segment_ids: Any, positions: Any,
         per_layer: Any,
     ) -> Any:
-        with settled_residuals(self, x, valid_tokens):  # a CPU speed workaround: jaxblock/cpu_residual_gradient.py
-            y = super().__call__(
-                x, valid_tokens, attn_mask=attn_mask, segment_ids=segment_ids, positions=positions,
-                per_layer=per_layer, train=self.train,
-            )
+        y = super().__call__(
+            x, valid_tokens, attn_mask=attn_mask, segment_ids=segment_ids, positions=positions,
+            per_layer=per_layer, train=self.train,
+        )
         return (y, None) if self.scanned else y
 
 
@@ -126,18 +122,18 @@ class Encoder(nn.Module):
                 f"sequence length {length} exceeds max_len={cfg.max_len}: truncate inputs or raise model.max_len"
             )
         width = cfg.embed_width  # E: D unless the embeddings are narrower (then projected to D)
-        embed = param(
-            self, "embedding",
-            nn.with_logical_partitioning(nn.initializers.normal(1.0), ("vocab", "embed")),
+        embed = self.param(
+            "embedding",
+            logical(nn.initializers.normal(1.0), ("vocab", "embed")),
             (cfg.vocab_size, width), blk.params_dtype,
         )
         # A padded id outside [0, V) looks up id 0 (not NaN), so the lookup and its gradient stay finite.
         in_range = (tokens >= 0) & (tokens < cfg.vocab_size)
         x = jnp.take(embed, jnp.where(valid_tokens | in_range, tokens, 0), axis=0).astype(jnp.float32)  # [N, L, D]
         if cfg.type_vocab_size:
-            types = param(
-                self, "type_embedding",
-                nn.with_logical_partitioning(nn.initializers.normal(0.02), (None, "embed")),
+            types = self.param(
+                "type_embedding",
+                logical(nn.initializers.normal(0.02), (None, "embed")),
                 (cfg.type_vocab_size, width), blk.params_dtype,
             )  # [type_vocab_size, D]
             type_ids = jnp.zeros_like(tokens) if token_type_ids is None else token_type_ids
@@ -150,20 +146,20 @@ class Encoder(nn.Module):
         if cfg.positions == "sinusoidal":
             x = x + sinusoidal_table(cfg.max_len, width)[positions]
         elif cfg.positions == "learned":
-            table = param(
-                self, "pos_embedding",
-                nn.with_logical_partitioning(nn.initializers.normal(0.02), (None, "embed")),
+            table = self.param(
+                "pos_embedding",
+                logical(nn.initializers.normal(0.02), (None, "embed")),
                 (cfg.max_len + cfg.position_offset, width), blk.params_dtype,
             )
             x = x + table.astype(jnp.float32)[positions + cfg.position_offset]
         if cfg.embed_norm:
             x = make_norm(blk.model_copy(update={"model_dim": width}), "embed_norm")(x).astype(jnp.float32)
-        x = Dropout(cfg.embed_dropout)(x, deterministic=not train)
+        x = nn.Dropout(cfg.embed_dropout)(x, deterministic=not train)
         if width != blk.model_dim:  # E -> D (ELECTRA's embeddings_project)
             x = nn.Dense(
                 blk.model_dim,
-                kernel_init=nn.with_logical_partitioning(nn.initializers.lecun_normal(), (None, "embed")),
-                bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(), ("embed",)),
+                kernel_init=logical(nn.initializers.lecun_normal(), (None, "embed")),
+                bias_init=logical(nn.initializers.zeros_init(), ("embed",)),
                 param_dtype=blk.params_dtype, dtype=jnp.float32, name="embed_proj",
             )(x)
         x = x.astype(blk.compute_dtype)
@@ -173,7 +169,6 @@ class Encoder(nn.Module):
         )
 
 
-@compiled_when_eager()
 def masked_mean(x: jax.Array, valid_tokens: jax.Array) -> jax.Array:
     """[N, L, D] -> float32[N, D]: mean over real tokens only (a row with none gives 0)."""
     masks.check_valid_tokens(valid_tokens, x.shape[:2])
@@ -183,7 +178,6 @@ def masked_mean(x: jax.Array, valid_tokens: jax.Array) -> jax.Array:
     return total / jnp.maximum(jnp.sum(keep.astype(jnp.float32), axis=1), 1.0)
 
 
-@compiled_when_eager("num_segments")
 def segment_mean(x: jax.Array, valid_tokens: jax.Array, segment_ids: jax.Array, num_segments: int) -> jax.Array:
     """Packed rows: [N, L, D] -> float32[N, S, D], mean of each segment's real tokens (ids 0..S-1)."""
     slots = jnp.arange(num_segments)[None, None, :]
@@ -193,7 +187,6 @@ def segment_mean(x: jax.Array, valid_tokens: jax.Array, segment_ids: jax.Array, 
     return total / jnp.maximum(jnp.sum(w, axis=1), 1.0)[..., None]
 
 
-@compiled_when_eager()
 def last_token(x: jax.Array, valid_tokens: jax.Array) -> jax.Array:
     """[N, L, D] -> float32[N, D]: each row's last real token (real tokens first; a row with none gives row 0)."""
     last = jnp.maximum(jnp.sum(valid_tokens, axis=1, dtype=jnp.int32) - 1, 0)  # [N]
@@ -243,8 +236,8 @@ class Classifier(nn.Module):
             pooled = nn.Dense(
                 cfg.block.model_dim,
                 use_bias=cfg.pooler_bias,
-                kernel_init=nn.with_logical_partitioning(nn.initializers.lecun_normal(), ("embed", None)),
-                bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(), (None,)),
+                kernel_init=logical(nn.initializers.lecun_normal(), ("embed", None)),
+                bias_init=logical(nn.initializers.zeros_init(), (None,)),
                 param_dtype=cfg.block.params_dtype,
                 dtype=jnp.float32,
                 name="pooler",
@@ -253,12 +246,12 @@ class Classifier(nn.Module):
             if cfg.pooler_norm:
                 f32_block = cfg.block.model_copy(update={"dtype": "float32"})
                 pooled = make_norm(f32_block, "pooler_norm")(pooled)
-            pooled = Dropout(cfg.embed_dropout)(pooled, deterministic=not train)
+            pooled = nn.Dropout(cfg.embed_dropout)(pooled, deterministic=not train)
         head = nn.Dense(
             cfg.num_classes,
             use_bias=cfg.pooling != "last",
-            kernel_init=nn.with_logical_partitioning(nn.initializers.lecun_normal(), ("embed", None)),
-            bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(), (None,)),
+            kernel_init=logical(nn.initializers.lecun_normal(), ("embed", None)),
+            bias_init=logical(nn.initializers.zeros_init(), (None,)),
             param_dtype=cfg.block.params_dtype,
             dtype=jnp.float32,
             name="head",

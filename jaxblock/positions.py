@@ -17,7 +17,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxblock.config import RopeScaling
-from jaxblock.cpu_switch import compiled_when_eager
 
 
 def sinusoidal_table(length: int, dim: int) -> jax.Array:
@@ -48,7 +47,6 @@ def rope_frequencies(head_dim: int, base: float, scaling: RopeScaling) -> np.nda
     return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
-@compiled_when_eager()
 def apply_rope(
     x: jax.Array, positions: jax.Array, base: float = 10000.0, inv_freq: np.ndarray | None = None
 ) -> jax.Array:

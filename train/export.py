@@ -22,8 +22,7 @@ its own pooling, as `train embed`).
 
 Attention runs XLA's plain-HLO kernel in the export whatever the run trained with: the cuDNN and Pallas
 kernels are custom calls that `jax.export` cannot serialize portably, and one artifact serves every
-platform, so no platform-specific kernel can be in it (see KERNEL_REASON). The CPU-only gradient
-workarounds (jaxblock.cpu_*) are traced out: an export has no backward pass.
+platform, so no platform-specific kernel can be in it (see KERNEL_REASON).
 
 `--format hf` writes a transformers directory instead (config.json with id2label, model.safetensors,
 tokenizer), for the families `jaxblock.interop.hf.to_hf` writes; it needs the `hf` extra.
@@ -36,7 +35,6 @@ line and exit 2 (train/errors.py).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import hashlib
 import json
 import os
@@ -44,7 +42,7 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -228,15 +226,6 @@ def _flat_params(params: Any) -> tuple[list[str], list[np.ndarray]]:
     return names, [np.asarray(x) for _, x in leaves]
 
 
-@contextlib.contextmanager
-def _plain_formulas() -> Iterator[None]:
-    """Trace without the CPU-only gradient workarounds (identical forward values, no backward here)."""
-    from jaxblock import cpu_residual_gradient, cpu_weight_gradient, norms
-
-    with cpu_residual_gradient.forced(False), cpu_weight_gradient.forced(False), norms.custom_backward(False):
-        yield
-
-
 def lower(source: Source, platforms: list[str], params_in: str = "safetensors") -> tuple[Any, list[str]]:
     """The jax.export.Exported of `source` (params as constants, or as a first argument: a list in the
     order of the returned names) with symbolic batch b >= 1 and length 1 <= l <= max_len."""
@@ -250,13 +239,12 @@ def lower(source: Source, platforms: list[str], params_in: str = "safetensors") 
     def with_params(flat: list[jax.Array], tokens: jax.Array, attention_mask: jax.Array) -> dict[str, jax.Array]:
         return source.forward(jax.tree.unflatten(treedef, flat), tokens, attention_mask > 0)
 
-    with _plain_formulas():
-        if params_in == "artifact":
-            constants = [jnp.asarray(x) for x in leaves]
-            fn = jax.jit(lambda tokens, mask: with_params(constants, tokens, mask))
-            return export.export(fn, platforms=platforms)(*inputs), names
-        specs = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves]
-        return export.export(jax.jit(with_params), platforms=platforms)(specs, *inputs), names
+    if params_in == "artifact":
+        constants = [jnp.asarray(x) for x in leaves]
+        fn = jax.jit(lambda tokens, mask: with_params(constants, tokens, mask))
+        return export.export(fn, platforms=platforms)(*inputs), names
+    specs = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves]
+    return export.export(jax.jit(with_params), platforms=platforms)(specs, *inputs), names
 
 
 def sha256(path: Path) -> str:

@@ -38,12 +38,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxblock.cpu_switch import compiled_when_eager
-
 _NEG = float(jnp.finfo(jnp.float32).min)
 
 
-@compiled_when_eager("rate")
 def dense_attention(
     q: jax.Array,
     k: jax.Array,

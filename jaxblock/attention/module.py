@@ -30,8 +30,6 @@ from jaxblock.attention.gpu import pallas_gpu_attention
 from jaxblock.attention.splash import splash_attention
 from jaxblock.attention.xla import fused_attention
 from jaxblock.config import BlockConfig
-from jaxblock.cpu_weight_gradient import project
-from jaxblock.dropout import Dropout
 from jaxblock.initializers import Weights, bias_init, kernel_init
 from jaxblock.positions import apply_rope, rope_frequencies
 
@@ -151,7 +149,7 @@ class SelfAttention(nn.Module):
                 ctx = fused_attention(q, k, v, mask, valid_tokens, impl, causal=cfg.causal, plain=not extra)
         # ctx: [N, L, H, K]
         out_k, out_b = self.out()
-        y = project(ctx.astype(dt), out_k.astype(dt), 2)  # "NLHK,HKD->NLD" (jaxblock/cpu_weight_gradient.py)
+        y = jnp.einsum("NLHK,HKD->NLD", ctx.astype(dt), out_k.astype(dt))
         if out_b is not None:
             y = y + out_b.astype(dt)[None, None, :]
         return y
@@ -163,13 +161,13 @@ class SelfAttention(nn.Module):
         h, g = cfg.num_heads, cfg.kv_heads
         if cfg.fused_qkv and g == h:
             w = jnp.concatenate([qk, kk, vk], axis=1).astype(dt)  # [D, 3H, K]
-            qkv = project(x, w, 1)  # "NLD,DHK->NLHK": [N, L, 3H, K]
+            qkv = jnp.einsum("NLD,DHK->NLHK", x, w)  # [N, L, 3H, K]
             if qb is not None and kb is not None and vb is not None:
                 qkv = qkv + jnp.concatenate([qb, kb, vb], axis=0).astype(dt)[None, None]
             return qkv[:, :, :h], qkv[:, :, h : 2 * h], qkv[:, :, 2 * h :]
         outs: list[jax.Array] = []
         for kern, b in ((qk, qb), (kk, kb), (vk, vb)):
-            y = project(x, kern.astype(dt), 1)
+            y = jnp.einsum("NLD,DGK->NLGK", x, kern.astype(dt))
             outs.append(y if b is None else y + b.astype(dt)[None, None])
         return outs[0], outs[1], outs[2]
 
@@ -190,7 +188,11 @@ class SelfAttention(nn.Module):
         return ctx.reshape(n, length, h, kdim)
 
 
-class _WeightsDropout(Dropout):
-    """Dropout on the attention weights, which also hands out its keep mask (`keep`, jaxblock/dropout.py) for
-    kernels that apply dropout inside themselves: the same rng stream and shape as calling the module on
-    the weights, so the dense kernel drops exactly the weights the unfused path drops."""
+class _WeightsDropout(nn.Dropout):
+    """Dropout on the attention weights, which also hands out its keep mask for kernels that apply dropout
+    inside themselves: the draw calling the module on weights of that shape makes (flax.linen.Dropout's),
+    so the dense kernel drops exactly the weights the unfused path drops."""
+
+    def keep(self, shape: tuple[int, ...]) -> jax.Array:
+        """bool[shape]: True where a weight is kept (probability 1 - rate)."""
+        return jax.random.bernoulli(self.make_rng(self.rng_collection), 1.0 - self.rate, shape)

@@ -88,8 +88,7 @@ def trace(
 
     deltas: B arrays [N, L, D] added to each block's input, so that the gradient with respect to
     them is the gradient at each layer's input. Works eagerly and under jit: the checks call it eagerly
-    (each runs a handful of one-off variants; the model's functions of equal shapes compile once,
-    jaxblock.cpu_switch.compiled_when_eager); the measures that
+    (each runs a handful of one-off variants); the measures that
     `train.diagnostics_every` repeats with the same shapes compile it (diagnostics/measures.py).
     """
     paths: list[Path] = []

@@ -331,132 +331,14 @@ def test_non_finite_padding_never_reaches_real_outputs_or_logits():
     np.testing.assert_allclose(poisoned, _logits(cfg, params), rtol=1e-6, atol=1e-6)
 
 
-# --- the CPU residual-gradient workaround (jaxblock.cpu_residual_gradient) changes no bit -------------------------
+# --- the model is the formulas: plain JAX, every autodiff mode --------------------------------------------------
 
 
-def test_settle_gradient_is_an_exact_identity_forward_and_backward():
-    from jaxblock.cpu_residual_gradient import settle_gradient
-
-    x = jnp.asarray(np.random.default_rng(0).normal(size=(2, 3, 4)), jnp.float32)
-    w = jnp.asarray(np.random.default_rng(1).normal(size=(2, 3, 4)), jnp.float32)
-    one = jnp.ones((), jnp.float32)
-    np.testing.assert_array_equal(settle_gradient(x, one), x)
-    g = jax.grad(lambda x: jnp.sum(jnp.sin(settle_gradient(x, one)) * w))(x)
-    np.testing.assert_array_equal(g, jnp.cos(x) * w)  # bit-for-bit: the backward divides by exactly 1.0
-
-
-@pytest.mark.parametrize("scan", [False, pytest.param(True, marks=pytest.mark.slow)])  # scanned: -m slow
 @pytest.mark.parametrize("norm", ["pre", "post"])
-def test_the_stack_settles_each_residual_stream_point_on_cpu_only_and_changes_no_bit(norm, scan):
-    """Settled: 2 points per block (its input and the stream between sublayers, from the wiring).
-    Loss and gradients are bitwise those of the unsettled stack."""
-    from jaxblock import cpu_residual_gradient as settle
-
-    cfg = StackConfig(num_layers=2, scan_layers=scan, block={**BLOCK, "norm": norm})
-    model = EncoderStack(cfg)
-    x, params = _x(0), _stack_params(cfg)  # host-drawn: no eager init to compile
-
-    results, counts = {}, {}
-    for on in (True, False):
-
-        def loss(p, x):  # a new function per setting: JAX caches traces by function
-            return jnp.sum(jnp.sin(model.apply({"params": p}, x, VALID)))
-
-        with settle.forced(on):
-            counts[on] = str(jax.make_jaxpr(loss)(params, x)).count("name=settle_gradient")
-            results[on] = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(params, x)
-    assert counts[False] == 0 and counts[True] >= 2
-    if not scan:  # (a scanned body's jaxpr is printed per use, not per block)
-        assert counts[True] == 2 * cfg.num_layers
-    jax.tree.map(np.testing.assert_array_equal, results[True], results[False])
-    assert settle.applies() == (jax.default_backend() == "cpu")
-
-
-# --- the CPU weight-gradient workaround (jaxblock.cpu_weight_gradient) computes the same gradients ----------------
-
-
-@pytest.mark.parametrize(("spec", "x_shape", "w_shape", "contract"), [
-    ("NLI,IO->NLO", (2, 3, 4), (4, 6), 1),  # x the smaller operand of the weight gradient
-    ("NLI,IO->NLO", (2, 3, 6), (6, 4), 1),  # dy the smaller
-    ("NLD,DHK->NLHK", (2, 3, 4), (4, 3, 2), 1),  # the q/k/v projections
-    ("NLHK,HKD->NLD", (2, 3, 2, 3), (2, 3, 5), 2),  # the out-projection
-])
-def test_project_is_the_einsum_forward_and_backward_on_and_off(spec, x_shape, w_shape, contract):
-    from jaxblock import cpu_weight_gradient as cw
-
-    rng = np.random.default_rng(0)
-    x = jnp.asarray(rng.normal(size=x_shape), jnp.float32)
-    w = jnp.asarray(rng.normal(size=w_shape), jnp.float32)
-    expected = jnp.einsum(spec, x, w)
-    upstream = jnp.asarray(rng.normal(size=expected.shape), jnp.float32)
-
-    def grads(f):
-        return jax.jit(jax.grad(lambda x, w: jnp.sum(jnp.sin(f(x, w)) * upstream), argnums=(0, 1)))(x, w)
-
-    want = grads(lambda x, w: jnp.einsum(spec, x, w))
-    for on in (True, False):
-        with cw.forced(on):
-            np.testing.assert_allclose(cw.project(x, w, contract), expected, rtol=1e-6, atol=1e-6)
-            got = grads(lambda x, w: cw.project(x, w, contract))
-            counted = str(jax.make_jaxpr(lambda x, w: cw.project(x, w, contract))(x, w)).count("custom_vjp")
-        assert counted == (1 if on else 0)
-        for a, b in zip(got, want, strict=True):
-            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
-    assert cw.applies() == (jax.default_backend() == "cpu")
-    with pytest.raises(ValueError, match="do not match"):
-        cw.project(x, w[:1], contract)
-
-
-def test_an_eager_forward_runs_compiled_functions_and_a_traced_one_inlines_them_with_custom_vjps(monkeypatch):
-    """Called eagerly on concrete arrays, the model's pure functions (norms, dense attention, projections)
-    each run as one compiled program (jaxblock.cpu_switch.compiled_when_eager) instead of op by op, and a
-    repeated eager call traces nothing (no custom VJP); under jit or grad they run inline, so the compiled
-    programs (the CPU workarounds and the dense kernel's written-out backward included) are unchanged."""
-    from jax._src import custom_derivatives
-
-    from jaxblock import cpu_weight_gradient, norms
-    from jaxblock.attention import dense
-    from jaxblock.cpu_switch import traced
-
-    cfg = StackConfig(num_layers=2, block={**BLOCK, "attention": "dense"})
-    model = EncoderStack(cfg)
-    x, params = _x(0), _stack_params(cfg)
-    calls: list[str] = []
-    call = custom_derivatives.custom_vjp.__call__
-    monkeypatch.setattr(custom_derivatives.custom_vjp, "__call__",
-                        lambda self, *a, **k: calls.append(self.__name__) or call(self, *a, **k))
-    ran: list[str] = []
-    for fn in (norms._layer_norm, dense.dense_attention, cpu_weight_gradient.project):
-        monkeypatch.setattr(fn, "compiled",
-                            lambda *a, _c=fn.compiled, _n=fn.__name__, **k: ran.append(_n) or _c(*a, **k))
-
-    eager = model.apply({"params": params}, x, VALID)
-    assert {"_layer_norm", "dense_attention", "project"} <= set(ran), ran
-    assert not traced(x, params, eager)
-    calls.clear()
-    assert np.array_equal(np.asarray(model.apply({"params": params}, x, VALID)), np.asarray(eager))
-    assert calls == []
-    ran.clear()
-    compiled = jax.jit(lambda p, x: model.apply({"params": p}, x, VALID))(params, x)
-    assert ran == []
-    np.testing.assert_allclose(np.asarray(eager), np.asarray(compiled), rtol=1e-5, atol=1e-6)
-    seen: list[bool] = []
-    jax.make_jaxpr(lambda x: seen.append(traced(x)) or x)(x)
-    jax.make_jaxpr(jax.grad(lambda x: seen.append(traced({"x": x})) or jnp.sum(x)))(x)
-    assert seen == [True, True]
-    if jax.default_backend() == "cpu":
-        calls.clear()
-        jax.make_jaxpr(jax.grad(lambda p: jnp.sum(model.apply({"params": p}, x, VALID))))(params)  # traced only
-        assert {"settle_gradient", "_matmul", "_standardize", "_core"} <= set(calls), calls
-        assert ran == []
-
-
-def test_forward_mode_autodiff_runs_with_the_plain_formulas_as_docs_model_md_says():
-    # Custom VJPs are reverse-mode only; with the CPU's hand-written gradients off and attention='xla'
-    # the stack is plain JAX, and jax.jvp agrees with the reverse-mode gradient.
-    from jaxblock import cpu_residual_gradient, cpu_weight_gradient, norms
-
-    cfg = StackConfig(num_layers=2, block={**BLOCK, "attention": "xla"})
+def test_with_xla_attention_the_stack_is_plain_jax_and_forward_mode_autodiff_agrees(norm):
+    """No custom derivative anywhere outside the attention kernels: with attention='xla' the whole stack's
+    jaxpr holds none, and forward mode (jax.jvp) agrees with reverse mode."""
+    cfg = StackConfig(num_layers=2, block={**BLOCK, "norm": norm, "attention": "xla"})
     model = EncoderStack(cfg)
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.normal(size=(N, L, D)), jnp.float32)
@@ -466,10 +348,8 @@ def test_forward_mode_autodiff_runs_with_the_plain_formulas_as_docs_model_md_say
     def f(x):
         return jnp.sum(jnp.sin(model.apply({"params": params}, x, VALID)))
 
-    with cpu_residual_gradient.forced(False), cpu_weight_gradient.forced(False), norms.custom_backward(False):
-        tangent = jax.jit(lambda x, dx: jax.jvp(f, (x,), (dx,))[1])(x, dx)  # one compile beats op-by-op
-    reverse = jnp.sum(jax.jit(jax.grad(f))(x) * dx)  # with the custom gradients on (this is a CPU)
+    jaxpr = str(jax.make_jaxpr(jax.grad(f))(x))
+    assert "custom_vjp" not in jaxpr and "custom_jvp" not in jaxpr
+    tangent = jax.jit(lambda x, dx: jax.jvp(f, (x,), (dx,))[1])(x, dx)
+    reverse = jnp.sum(jax.jit(jax.grad(f))(x) * dx)
     np.testing.assert_allclose(float(tangent), float(reverse), rtol=1e-4)
-    if jax.default_backend() == "cpu":  # and the default, custom-gradient trace refuses forward mode
-        with pytest.raises(TypeError, match="custom_vjp"):
-            jax.jvp(f, (x,), (dx,))

@@ -355,7 +355,7 @@ def lower(target: Target, config_path: str = "", *, compile_collectives: bool = 
     batches = _batches(task, config, mesh, rules)
 
     calls = []
-    with for_platform(target.platform), _plain_formulas():
+    with for_platform(target.platform):
         for call, (batch, shapes) in batches.items():
             calls.append(_lower_call(call, shapes, task, model, config, state, state_sh, batch, mesh, rules,
                                      target.platform))
@@ -371,16 +371,6 @@ def lower(target: Target, config_path: str = "", *, compile_collectives: bool = 
             f"{'' if task.name == 'mlm' else f', {config.model.num_classes} classes'}")
     return Report(config_path, target.platform, target.devices, target.mesh, target.layout, desc, calls, memory,
                   compiled, compiled_note, replicated_dims, target.notes)
-
-
-@contextlib.contextmanager
-def _plain_formulas() -> Iterator[None]:
-    """Trace without the CPU-only speed workarounds: the program is for the accelerator (they are on by
-    jax.default_backend(), which stays 'cpu' on this host)."""
-    from jaxblock import cpu_residual_gradient, cpu_weight_gradient, norms
-
-    with cpu_residual_gradient.forced(False), cpu_weight_gradient.forced(False), norms.custom_backward(False):
-        yield
 
 
 @contextlib.contextmanager
@@ -648,7 +638,7 @@ def _compiled_collectives(task: Any, model: Any, config: Config, state: Any, spe
         return (jax.lax.with_sharding_constraint(new_state, state_sh),
                 jax.lax.with_sharding_constraint(metrics, replicated))
 
-    with for_platform("cpu"), _plain_formulas():
+    with for_platform("cpu"):
         lowered = jax.jit(step, donate_argnums=0).trace(abstract_state, on_cpu, rng).lower()
         # Only the partitioner's output is read: the CPU code generation is kept cheap.
         try:

@@ -34,9 +34,9 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
-from jaxblock.attention.context import context_strategy
 from train.config import Config, ConfigError, ParallelConfig
 from train.devices.mesh import logical_rules, make_mesh, mesh_shape, param_shardings, state_shardings
+from train.devices.steps import kernel_context, mesh_steps
 from train.loop.state import TrainState
 from train.loop.step import Metrics, eval_step, train_step
 from train.tasks import CLASSIFICATION, Task
@@ -255,30 +255,11 @@ class ShardedRunner(Runner):
         self.state_sharding = state_shardings(state, params_sh, self.mesh)
         self._flat_sharding = jax.tree.leaves(self.state_sharding)
         # Inputs arrive committed (place_state, place_batch); outputs are pinned inside the program.
-        # Pinning by constraint rather than jit's out_shardings keeps the step valid for any state of
-        # this shape: a state rebuilt by create_state carries new (static) optimizer closures.
-        rep = self.replicated
-
-        def step(state: TrainState, batch: Any, rng: jax.Array) -> tuple[TrainState, Metrics]:
-            with self.kernel_context():
-                new_state, metrics = train_step(task, state, batch, rng)
-            return self._pin(new_state), jax.lax.with_sharding_constraint(metrics, rep)
-
-        def evaluate(state: TrainState, batch: Any) -> Metrics:
-            with self.kernel_context():
-                return jax.lax.with_sharding_constraint(eval_step(task, state, batch), rep)
-
-        self._train = jax.jit(step, donate_argnums=0)
-        self._eval = jax.jit(evaluate)
+        self._train, self._eval = mesh_steps(task, self.mesh, self.rules, self.context_strategy, self._flat_sharding)
 
     def kernel_context(self) -> contextlib.ExitStack:
-        """Entered while the step is traced: the mesh (abstract) and the logical-axis rules, from which the
-        per-shard attention kernels (jaxblock/attention/platform.py `mesh_layout`) read their layout."""
-        stack = contextlib.ExitStack()
-        stack.enter_context(jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh))
-        stack.enter_context(nn.logical_axis_rules(self.rules))
-        stack.enter_context(context_strategy(self.context_strategy))
-        return stack
+        """What is ambient while this runner's steps are traced (train/devices/steps.py `kernel_context`)."""
+        return kernel_context(self.mesh, self.rules, self.context_strategy)
 
     def shardings_like(self, state: TrainState) -> TrainState:
         """This layout's shardings in the tree structure of `state` (any state of the config's shape)."""
