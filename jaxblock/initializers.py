@@ -25,7 +25,7 @@ Init = Any
 def logical(init: Init, axes: tuple[str | None, ...]) -> Init:
     """`init` boxed with the logical names of its array's axes (flax.linen.with_logical_partitioning); the
     parameter `Module.param` declares with it reads as a plain array."""
-    return logical(init, axes)
+    return nn.with_logical_partitioning(init, axes)
 
 
 def uniform(bound: float) -> Init:
