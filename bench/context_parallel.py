@@ -233,7 +233,7 @@ def step_memory(length: int, context: int, strategy: str) -> dict[str, int]:
     placed = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=runner.token_sharding if v.ndim == 2
                                       else runner.batch_sharding) for k, v in batch.items()}
     key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=runner.replicated)
-    return compiled_memory(runner._train.aot.lower(abstract, placed, key).compile())
+    return compiled_memory(runner._train.lower(abstract, placed, key).compile())
 
 
 def longest_length(budget: int, context: int, strategy: str, known: dict[int, int], step: int) -> int:

@@ -16,7 +16,8 @@ import pytest
 
 from train import __main__ as cli
 from train import diagnose, embed, export, study, verify
-from train.aot import lower
+from train.aot import compile as compile_command
+from train.aot import lower, targets
 from train.config import ConfigError, load_config
 from train.serving import server
 
@@ -118,10 +119,12 @@ def _accepted(argv: list[str]) -> None:
         export._parser().parse_args(rest)
     elif command == "serve":
         server._parser().parse_args(rest)
-    elif command == "lower":
+    elif command in ("lower", "compile"):
         if rest:  # a bare `python -m train lower` in prose names the command
-            args = lower._parser().parse_intermixed_args(rest)
+            args = (lower if command == "lower" else compile_command)._parser().parse_intermixed_args(rest)
             load_config(args.config, args.overrides)
+            if command == "compile":
+                targets.parse(args.target, args.slices)
     else:
         assert command == "schema" and not rest, argv
 

@@ -10,7 +10,8 @@
     python -m train verify --workdir W                              read every checkpoint back, write nothing
     python -m train export --workdir W [--out DIR]                  a jax.export artifact (train/export.py)
     python -m train serve (--exported DIR | --workdir W)            JSON HTTP predict/embed (train/serving/)
-    python -m train lower --config C --platform tpu|cuda            will it run on N devices (train/aot/lower.py)
+    python -m train lower --config C --platform tpu|cuda            its steps as StableHLO, kernels checked (train/aot/)
+    python -m train compile --config C --target v5e-8|h100-8|...     will it fit on my slice (train/aot/compile.py)
 
 Exit codes: 0 success; 1 a check failed or the run halted on non-finite values; 2 bad input, usage, a busy
 workdir, a damaged checkpoint or a full disk (one line on stderr, nothing already written lost); 130
@@ -54,10 +55,14 @@ commands:
              jax.export artifact that loads with jax, numpy and tokenizers only, or a transformers directory
   serve      (--exported DIR | --workdir W) [--host 127.0.0.1] [--port P]: JSON HTTP predict, embed and health
              with dynamic batching (docs/serving.md)
-  lower      --config C --platform tpu|cuda [--devices 8] [--layout dp|fsdp|tp|...] [key=value ...]: export the
-             train step and inference for the platform on an abstract mesh, here, and print per layer the
-             attention kernel and whether it is in the lowered module, memory per device and collectives
-             (exit 0 all kernels found, 1 one missing, 2 bad input; writes nothing)
+  lower      --config C --platform tpu|cuda [--devices 8] [--layout dp|fsdp|tp|...] [--out DIR] [key=value ...]:
+             lower the train step and inference to StableHLO for the platform on an abstract mesh, here, and
+             print per layer the attention kernel and whether it is in the lowered program (exit 0 all kernels
+             found, 1 one missing or not traceable here, 2 bad input)
+  compile    --config C --target v5e-8|v4-8|v5p-128|v6e-64|h100-8|... [--layout L] [--slices S] [--fit]
+             [--save FILE] [--json] [key=value ...]: compile the steps with the chip's own compiler, here,
+             without the chip: memory per chip against its usable memory, kernels per layer, collectives
+             (exit 0 fits, 1 does not fit or a kernel is missing, 2 bad input or no compiler installed)
 
 overrides are dotted key=value pairs parsed as YAML, e.g. model.num_layers=6 optim.lr=3e-4
 train.steps=2000 data.source=file data.path=reviews.csv
@@ -222,9 +227,13 @@ def cmd_lower(argv: list[str], interrupts: Any = None) -> int:
     return _delegate("train.aot.lower", argv)
 
 
+def cmd_compile(argv: list[str], interrupts: Any = None) -> int:
+    return _delegate("train.aot.compile", argv)
+
+
 COMMANDS = {"evaluate": cmd_evaluate, "predict": cmd_predict, "schema": cmd_schema, "diagnose": cmd_diagnose,
             "study-ln": cmd_study, "embed": cmd_embed, "verify": cmd_verify, "train": cmd_train,
-            "export": cmd_export, "serve": cmd_serve, "lower": cmd_lower}
+            "export": cmd_export, "serve": cmd_serve, "lower": cmd_lower, "compile": cmd_compile}
 
 
 def _unknown_command(argv: list[str]) -> str | None:
@@ -277,10 +286,13 @@ def _main(argv: list[str], whole_process: bool) -> int:
         command, argv = COMMANDS[argv[0]], argv[1:]
     else:
         command = cmd_train
-    if whole_process:  # this CPU kind's XLA options (the user's XLA_FLAGS win), before JAX starts its backend
-        from jaxblock import xla_options
+    if whole_process:  # before JAX loads: the platforms this host has (train/platforms.py)
+        from train import platforms
 
-        xla_options.apply()
+        name = next((name for name, fn in COMMANDS.items() if fn is command), "train")
+        platforms.choose(name)
+        if name in platforms.AHEAD_OF_TIME:
+            platforms.start_jax()
     _quiet_libraries()
     from train.interrupts import run_interruptible
 

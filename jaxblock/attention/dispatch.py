@@ -12,19 +12,6 @@ from jaxblock.attention.context import context_rule
 from jaxblock.attention.platform import platform_name, target_platform
 from jaxblock.config import BlockConfig, StackConfig
 
-# What each kernel leaves in a lowered program, so a lowering check can find it (train/aot/lower.py): a
-# substring of the StableHLO text, or None for kernels that are plain XLA operations.
-LOWERED_MARKERS: dict[str, str | None] = {
-    "splash": "tpu_custom_call",
-    "context": None,
-    "pallas_gpu": "__gpu$xla.gpu.triton",
-    "cudnn": "__cudnn$fmha",
-    "xla": None,
-    "dense": None,
-    "chunked": None,
-    "unfused": None,
-}
-
 
 def choose_implementation(
     config: BlockConfig,

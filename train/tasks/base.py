@@ -84,6 +84,11 @@ class Task(Protocol):
         """Raise (chex) on missing keys, wrong ranks or dtypes; traced, costs nothing at run time."""
         ...
 
+    def target_shapes(self, rows: int, length: int, segments: int | None) -> dict[str, jax.ShapeDtypeStruct]:
+        """Shape and dtype of each of `target_keys` in a batch of `rows` rows of `length` tokens (`segments`
+        examples per row when packed, else None): what a step compiled ahead of time takes."""
+        ...
+
     def apply(self, apply_fn: Any, params: Any, batch: Batch, *, train: bool, rng: jax.Array | None) -> Any:
         """The model's outputs on `batch` (e.g. logits), dropout on when `train` with key `rng`."""
         ...

@@ -43,6 +43,9 @@ class ClassificationTask:
     def build_model(self, config: EncoderConfig) -> nn.Module:
         return Classifier(config)
 
+    def target_shapes(self, rows: int, length: int, segments: int | None) -> dict[str, jax.ShapeDtypeStruct]:
+        return {"labels": jax.ShapeDtypeStruct((rows,) if segments is None else (rows, segments), jnp.int32)}
+
     def check_batch(self, batch: Batch) -> None:
         packed = "segment_ids" in batch
         chex.assert_rank([batch["tokens"], batch["valid_tokens"], batch["labels"]], [2, 2, 2 if packed else 1])

@@ -65,6 +65,10 @@ class MaskedLMTask:
         p = self.predictions_per_row or math.ceil(1.6 * self.rate * length) + 2
         return max(1, min(p, length))
 
+    def target_shapes(self, rows: int, length: int, segments: int | None) -> dict[str, jax.ShapeDtypeStruct]:
+        return {"mlm_targets": jax.ShapeDtypeStruct((rows, length), jnp.int32),
+                "mlm_weights": jax.ShapeDtypeStruct((rows, length), jnp.float32)}
+
     def check_batch(self, batch: Batch) -> None:
         keys = [batch["tokens"], batch["valid_tokens"], batch["mlm_targets"], batch["mlm_weights"]]
         chex.assert_rank(keys, 2)

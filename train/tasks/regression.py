@@ -126,6 +126,10 @@ class RegressionTask:
         # One output, the score, whatever model.num_classes says (resolve sets it to 1 for the run's config).
         return Classifier(config.model_copy(update={"num_classes": 1}))
 
+    def target_shapes(self, rows: int, length: int, segments: int | None) -> dict[str, jax.ShapeDtypeStruct]:
+        shape = (rows,) if segments is None else (rows, segments)
+        return {"labels": jax.ShapeDtypeStruct(shape, jnp.int32), "scores": jax.ShapeDtypeStruct(shape, jnp.float32)}
+
     def check_batch(self, batch: Batch) -> None:
         packed = "segment_ids" in batch
         per_example = 2 if packed else 1

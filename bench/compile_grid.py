@@ -1,0 +1,165 @@
+"""The compile table: configs x targets x layouts through `python -m train compile`, written as a record.
+
+    python -m bench.compile_grid                                    # every config, the six targets, every layout
+    python -m bench.compile_grid --configs bert_base_mlm_l128 --targets v5e-8,h100-8 --layouts dp,fsdp
+
+Each cell is one `python -m train compile --json` process (the chip's own compiler on this host, no chip):
+compiled or not, the peak memory per chip against the chip's usable memory, fits, the kernel per layer and
+whether the compiled program holds it, the collectives, the compile time. TPU targets run in this
+interpreter (libtpu: the `[tpu]` extra); GPU targets in the GPU compiler's venv (`--gpu-python`, made by
+bench/gpu_compiler_venv.sh). The table goes to bench/records/compile-grid-<date>.md (or --out). Exit codes:
+0 every cell compiled and fits with its kernels, 1 some did not, 2 bad usage (one line).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TARGETS = ("v5e-8", "v5p-8", "v6e-8", "v5e-256", "h100-8", "h200-8")
+GPU_PYTHON = ROOT / ".venv-gpu" / "bin" / "python"
+
+
+@dataclass
+class Cell:
+    config: str
+    target: str
+    layout: str
+    code: int
+    report: dict | None
+    problem: str
+    seconds: float
+
+    @property
+    def ok(self) -> bool:
+        return self.code == 0
+
+
+def run_cell(config: Path, target: str, layout: str, python: str, timeout: int) -> Cell:
+    command = [python, "-m", "train", "compile", "--config", str(config), "--target", target, "--json"]
+    if layout != "config":
+        command += ["--layout", layout]
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    start = time.perf_counter()
+    try:
+        proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired:
+        return Cell(config.stem, target, layout, 1, None, f"timed out after {timeout}s", time.perf_counter() - start)
+    seconds = time.perf_counter() - start
+    report = json.loads(proc.stdout) if proc.stdout.strip().startswith("{") else None
+    problem = "" if proc.returncode == 0 else (proc.stderr.strip().splitlines() or ["(no message)"])[-1][:200]
+    if report is not None and proc.returncode == 1:
+        problem = "does not fit" if not report["fits"] else "a promised kernel is missing"
+    return Cell(config.stem, target, layout, proc.returncode, report, problem, seconds)
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f}"
+
+
+def _kernels(report: dict) -> str:
+    parts = []
+    for call in report["calls"]:
+        counts: dict[str, list[int]] = {}
+        for layer in call["layers"]:
+            entry = counts.setdefault(layer["kernel"], [0, 0])
+            entry[0] += int(layer["ok"])
+            entry[1] += 1
+        parts.append(f"{call['call']} " + ", ".join(f"{k} {ok}/{n}" for k, (ok, n) in counts.items()))
+    return "; ".join(parts)
+
+
+def row(cell: Cell) -> str:
+    if cell.report is None:
+        return (f"| {cell.config} | {cell.target} | {cell.layout} | no | - | - | - | {cell.problem} | "
+                f"{cell.seconds:.0f} |")
+    r = cell.report
+    per = r["per_device_bytes"]
+    train = r["calls"][0]
+    collectives = ", ".join(f"{k} {v}" for k, v in train["collectives"].items() if v) or "none"
+    compiled = "yes" if all(c["compiled"] for c in r["calls"]) else "refused"
+    fits = "yes" if r["fits"] else "**no**"
+    return (f"| {cell.config} | {cell.target} | {r['mesh']} | {compiled} | {_gib(per['arguments'])} / "
+            f"{_gib(per['temporaries'])} / {_gib(per['total'])} of {_gib(per['usable'])} | {fits} | "
+            f"{_kernels(r)} | {collectives} | {cell.seconds:.0f} |")
+
+
+def markdown(cells: list[Cell], seconds: float) -> str:
+    import jax
+
+    bad = [c for c in cells if not c.ok]
+    lines = [
+        "# Compiled for the chips on a CPU host: configs x targets x layouts",
+        "",
+        "Written by `python -m bench.compile_grid`. Each cell: `python -m train compile --json` (the TPU compiler of",
+        "libtpu, or XLA's GPU compiler with the chip's target configuration, on compile-only devices). Memory per",
+        "chip in GiB from the compiler's analysis: arguments / temporaries / peak, of the chip's usable memory.",
+        "Kernels: per call, the layers whose compiled program holds the kernel the dispatch promised, of all.",
+        "",
+        f"{datetime.date.today().isoformat()}, {platform.machine()}, jax {jax.__version__}: {len(cells)} cells, "
+        f"{len(cells) - len(bad)} ok, {len(bad)} not, {seconds / 60:.0f} minutes.",
+        "",
+        "| config | target | mesh | compiled | GiB per chip | fits | kernels | collectives (train) | s |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        *[row(c) for c in cells],
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from train.aot.shapes import LAYOUTS
+
+    p = argparse.ArgumentParser(prog="python -m bench.compile_grid", description=__doc__.split("\n")[0])
+    p.add_argument("--configs", default="", help="comma-separated config names of configs/ (default: every one)")
+    p.add_argument("--targets", default=",".join(TARGETS), help=f"comma-separated (default {','.join(TARGETS)})")
+    p.add_argument("--layouts", default="config", help="comma-separated layouts, or 'all' (default: each config's own)")
+    p.add_argument("--gpu-python", default=str(GPU_PYTHON), help="the GPU compiler venv's python")
+    p.add_argument("--timeout", type=int, default=1800, help="seconds per cell (default 1800)")
+    p.add_argument("--out", default="", help="Markdown file, or - (default bench/records/compile-grid-<date>.md)")
+    try:
+        args = p.parse_args(argv)
+    except SystemExit as exit_:
+        return 0 if exit_.code == 0 else 2
+    every = {c.stem: c for c in sorted((ROOT / "configs").glob("*.yaml"))}
+    names = [n for n in args.configs.split(",") if n] or list(every)
+    layouts = list(LAYOUTS) if args.layouts == "all" else [n for n in args.layouts.split(",") if n]
+    unknown = [n for n in names if n not in every] + [n for n in layouts if n != "config" and n not in LAYOUTS]
+    if unknown:
+        print(f"python -m bench.compile_grid: unknown config or layout {unknown[0]!r}", file=sys.stderr)
+        return 2
+    targets = [t for t in args.targets.split(",") if t]
+    gpu = [t for t in targets if t.startswith(("h100", "h200", "a100", "b200"))]
+    if gpu and not Path(args.gpu_python).exists():
+        print(f"python -m bench.compile_grid: {', '.join(gpu)} need the GPU compiler's venv: run "
+              "bench/gpu_compiler_venv.sh, or pass --gpu-python", file=sys.stderr)
+        return 2
+    start, cells = time.perf_counter(), []
+    for name in names:
+        for target in targets:
+            for layout in layouts:
+                python = args.gpu_python if target in gpu else sys.executable
+                cell = run_cell(every[name], target, layout, python, args.timeout)
+                print(row(cell), file=sys.stderr, flush=True)
+                cells.append(cell)
+    text = markdown(cells, time.perf_counter() - start)
+    out = args.out or str(ROOT / "bench" / "records" / f"compile-grid-{datetime.date.today().isoformat()}.md")
+    if out == "-":
+        print(text)
+    else:
+        Path(out).write_text(text)
+        print(f"wrote {out}", file=sys.stderr)
+    return 0 if all(c.ok for c in cells) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
