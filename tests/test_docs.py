@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from train import __main__ as cli
-from train import diagnose, embed, export, lower, study, verify
+from train import diagnose, embed, export, study, verify
+from train.aot import lower
 from train.config import ConfigError, load_config
 from train.serving import server
 
