@@ -25,7 +25,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from train.serving.batcher import Batcher, ClosedError, QueueFullError
-from train.serving.server import ArtifactEngine, Limits, Service
+from train.serving.server import ArtifactEngine
+from train.serving.service import Limits, Service
 
 LENGTHS = [4, 8]
 SIZES = [1, 2, 4]
