@@ -200,7 +200,7 @@ _TEXT = st.text(st.characters(codec="utf-8"), max_size=60)
 
 def _same_ids(ours, max_len: int, texts: list[str]) -> None:
     from train.data.tokenizer import truncate
-    from train.export import exported_tokenizer
+    from train.export_tokenizer import exported_tokenizer
 
     hf = exported_tokenizer(ours, max_len)
     encodings = hf.encode_batch(texts)
@@ -289,7 +289,7 @@ def test_format_hf_gives_transformers_our_predictions(tmp_path):
     from jaxblock.interop.hf import from_hf
     from tests.conftest import random_bert_dir
     from train.data.labelled import encode_texts
-    from train.export import write_hf_dir
+    from train.export_hf import write_hf_dir
     from train.init_from.hf import hf_source
 
     path = random_bert_dir(tmp_path / "bert")
