@@ -12,7 +12,7 @@ size, half the compile time per shape and half the memory; `--params artifact` w
 `tokenizer.json`, the run's tokenizer set to truncate to max_len and pad to the longest text; and
 `manifest.json`: the versions, the calling convention, the platforms, the attention kernel and why, the
 input contract, the outputs, the class labels, the parameters' order and byte layout, and a SHA-256 of every
-file. Loading it needs jax, numpy and tokenizers, nothing of this repository.
+file. Loading it needs LOADER_PACKAGES (jax.export's deserialize imports flatbuffers, which jax lacks) alone.
 
 The function takes (params, tokens int32[b, l], attention_mask int32[b, l]) (1 = real token, real tokens
 first, what `tokenizer.json`'s encode_batch gives) and returns a dict: a classifier's `logits` and
@@ -62,6 +62,7 @@ PARAMS_FILE = "params.safetensors"
 TOKENIZER_FILE = "tokenizer.json"
 MANIFEST_FILE = "manifest.json"
 DEFAULT_DIR = "exported"  # --out when omitted: <workdir>/exported
+LOADER_PACKAGES = ("jax", "flatbuffers", "numpy", "tokenizers")  # what loading an export needs
 PLATFORMS = ("cpu", "cuda", "rocm", "tpu")  # what jax.export lowers for
 DEFAULT_PLATFORMS = ("cpu", "cuda", "tpu")
 KERNEL = "xla"
@@ -394,6 +395,6 @@ def main(argv: list[str]) -> int:
             f"an encoder ({info['outputs']['embeddings']['shape'][1]}-dim embeddings)")
     step = f"checkpoint {source.record['step']} of {args.workdir}" if args.workdir else args.model
     print(f"exported {step}: {what}, tokens up to {source.max_len}, for {','.join(platforms)}, into {out} "
-          f"({size:.1f} MiB, {time.perf_counter() - started:.0f}s); load it with jax, numpy and tokenizers "
-          "(docs/serving.md)")
+          f"({size:.1f} MiB, {time.perf_counter() - started:.0f}s); load it with {', '.join(LOADER_PACKAGES[:-1])} "
+          f"and {LOADER_PACKAGES[-1]} (pip install {' '.join(LOADER_PACKAGES)}; docs/serving.md)")
     return 0
