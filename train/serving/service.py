@@ -5,10 +5,10 @@ The HTTP layer is aiohttp: one asyncio library that brings the server and the cl
 tests use, with the body-size limit (client_max_size) and a runner whose listening socket can be closed
 while requests in flight finish, which the drain needs. Requests are checked before anything is queued: a
 body over --max-body-bytes, bad JSON, a missing or empty "texts" list, a text that is not a string or not
-valid Unicode, more than --max-texts texts or more than --max-chars characters in one, a text with no
-tokens, an unknown path or method: each is a 4xx with a one-line JSON body {"error": "..."}. A full
-queue is a 503 with Retry-After. Nothing a client sends reaches the model unchecked; an unexpected
-failure is a 500 with one line, and the server goes on.
+valid Unicode, more than --max-texts texts or more than --max-chars characters in one, a text that is
+empty or only whitespace or has no tokens, an unknown path or method: each is a 4xx with a one-line JSON
+body {"error": "..."}. A full queue is a 503 with Retry-After. Nothing a client sends reaches the model
+unchecked; an unexpected failure is a 500 with one line, and the server goes on.
 """
 
 from __future__ import annotations
@@ -95,6 +95,8 @@ def _texts(body: bytes, limits: Limits) -> list[str]:
     for i, text in enumerate(texts):
         if not isinstance(text, str):
             raise RequestError(400, f"texts[{i}] is a {type(text).__name__}, not a string")
+        if not text.strip():  # the byte and BPE tokenizers give tokens for spaces: a confident answer to nothing
+            raise RequestError(400, f"texts[{i}] is empty or only whitespace: send texts to read")
         if len(text) > limits.max_chars:
             raise RequestError(413, f"texts[{i}] has {len(text)} characters, over the limit of {limits.max_chars}")
         try:

@@ -33,8 +33,9 @@ SIZES = [1, 2, 4]
 
 
 class FakeArtifact:
-    """What ArtifactEngine reads of an export: a whitespace tokenizer (one id per word, up to 8) and a model
-    whose 'probabilities' are a function of each row's ids, so a row's answer shows which row it was."""
+    """What ArtifactEngine reads of an export: a whitespace tokenizer (one id per word, up to 8; a text of
+    spaces gives one id per space, as the byte and BPE tokenizers give tokens for it) and a model whose
+    'probabilities' are a function of each row's ids, so a row's answer shows which row it was."""
 
     kind, labels, max_len, outputs = "classifier", ["no", "yes"], 8, ["embeddings", "logits", "probabilities"]
     directory = Path("fake")
@@ -45,7 +46,7 @@ class FakeArtifact:
         self.shapes: list[tuple[int, int]] = []
 
     def encode(self, texts: list[str]) -> tuple[list[np.ndarray], list[bool]]:
-        rows = [np.asarray([min(len(w), 9) for w in t.split()][:8], np.int32) for t in texts]
+        rows = [np.asarray(([min(len(w), 9) for w in t.split()] or [1] * len(t))[:8], np.int32) for t in texts]
         return rows, [len(t.split()) > 8 for t in texts]
 
     def run(self, tokens: np.ndarray, mask: np.ndarray) -> dict[str, np.ndarray]:
@@ -229,7 +230,9 @@ def test_predict_embed_and_health_answer_in_json(served):
     (("POST", "/predict", b'{"texts": ["a", 3]}'), 400, "texts[1] is a int"),
     (("POST", "/predict", b'{"texts": ["a", "b", "c", "d", "e"]}'), 413, "over the limit of 4"),
     (("POST", "/predict", json.dumps({"texts": ["x" * 51]}).encode()), 413, "51 characters"),
-    (("POST", "/predict", b'{"texts": ["   "]}'), 400, "has no tokens"),
+    (("POST", "/predict", b'{"texts": ["a", "   "]}'), 400, "texts[1] is empty or only whitespace"),
+    (("POST", "/embed", b'{"texts": ["\\t\\n "]}'), 400, "texts[0] is empty or only whitespace"),
+    (("POST", "/predict", b'{"texts": [""]}'), 400, "texts[0] is empty or only whitespace"),
     (("POST", "/predict", b'{"texts": ["\\ud800"]}'), 400, "lone surrogate"),
     (("POST", "/predict", b"[" * 5000 + b"]" * 5000), 413, "over the limit"),
     (("POST", "/predict", b'{"texts": ["' + b"a " * 1200 + b'"]}'), 413, "over the limit of 2000 bytes"),
