@@ -13,7 +13,8 @@ The HTTP layer (train/serving/service.py) checks every request before anything i
 SIGTERM or Ctrl-C: the listening socket closes, a request that still arrives on an open connection is
 refused with a 503 ("shutting down"), every accepted request is answered, then the process prints one
 line with the request counts and exits 0 (a second signal exits 130 at once). It binds to 127.0.0.1
-unless --host says otherwise.
+unless --host says otherwise, before the warm-up (a port in use is refused at once), and accepts
+connections once every shape is compiled.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import os
 import signal
 import sys
 import tempfile
@@ -77,7 +79,8 @@ class ArtifactEngine:
 async def run_server(engine: Engine, *, host: str, port: int, limits: Limits, drain_timeout_s: float = 60.0,
                      on_ready: Callable[[str], None] | None = None, warm: Callable[[], Any] | None = None,
                      say: Callable[[str], None] | None = None) -> int:
-    """Serve until SIGTERM or SIGINT, drain, return the exit code (0; 130 on a second signal)."""
+    """Bind host:port (ConfigError at once when it is taken), warm, listen; serve until SIGTERM or SIGINT,
+    drain, return the exit code (0; 130 on a second signal)."""
     from aiohttp import web
 
     service = Service(engine, limits, say)
@@ -92,8 +95,6 @@ async def run_server(engine: Engine, *, host: str, port: int, limits: Limits, dr
             service.say(f"{signal.Signals(signum).name} again: stopping now, {service.counts.in_flight} requests "
                         "unanswered")
             sys.stderr.flush()
-            import os
-
             os._exit(130)
         service.say(f"{signal.Signals(signum).name}: draining {service.counts.in_flight} requests in flight, "
                     "refusing new ones (again to stop now)")
@@ -102,32 +103,35 @@ async def run_server(engine: Engine, *, host: str, port: int, limits: Limits, dr
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal, sig)
     try:
-        if warm is not None:
-            await warm()
-            if stop.is_set():
-                return 0
         runner = web.AppRunner(service.app(), access_log=None, handle_signals=False,
                                shutdown_timeout=drain_timeout_s)
         await runner.setup()
-        site = web.TCPSite(runner, host, port, backlog=1024)
-        try:
-            await site.start()
+        assert runner.server is not None
+        try:  # bound now, listening once warm: a busy port is refused at once, not after the warm-up
+            listener = await loop.create_server(runner.server, host, port, backlog=1024, start_serving=False)
         except OSError as err:
             await runner.cleanup()
-            raise ConfigError(f"cannot listen on {host}:{port} ({err.strerror}): pass another --port or --host"
-                              ) from None
-        bound = runner.addresses[0][1] if runner.addresses else port
-        url = f"http://{host if ':' not in host else f'[{host}]'}:{bound}"
-        if on_ready is not None:
-            on_ready(url)
-        await stop.wait()
-        service.draining = True
-        await site.stop()  # no new connections; open ones get a 503 until they close
-        deadline = loop.time() + drain_timeout_s
-        while service.counts.in_flight > 0 and loop.time() < deadline:
-            await asyncio.sleep(0.01)
-        await engine.drain()
-        await runner.cleanup()
+            why = os.strerror(err.errno) if err.errno and err.errno > 0 else err.strerror or str(err)
+            raise ConfigError(f"cannot listen on {host}:{port} ({why}): pass another --port or --host") from None
+        try:
+            if warm is not None:
+                await warm()
+                if stop.is_set():
+                    return 0
+            await listener.start_serving()
+            url = f"http://{host if ':' not in host else f'[{host}]'}:{listener.sockets[0].getsockname()[1]}"
+            if on_ready is not None:
+                on_ready(url)
+            await stop.wait()
+            service.draining = True
+            listener.close()  # no new connections; open ones get a 503 until they close
+            deadline = loop.time() + drain_timeout_s
+            while service.counts.in_flight > 0 and loop.time() < deadline:
+                await asyncio.sleep(0.01)
+            await engine.drain()
+        finally:
+            listener.close()
+            await runner.cleanup()
         c = service.counts
         service.say(f"stopped: {c.accepted} requests accepted, {c.answered} answered, {c.refused} refused, {c.gone} "
                     f"clients gone before their answer, {c.in_flight} unanswered")

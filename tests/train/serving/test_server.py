@@ -12,6 +12,7 @@ import http.client
 import json
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -286,6 +287,30 @@ def _start_server(args: list[str], env: dict[str, str] | None = None) -> tuple[s
     return proc, url
 
 
+def _serve_fake(monkeypatch, artifact: FakeArtifact, port: int, capsys) -> tuple[int, list[str], str]:
+    """`python -m train serve --port PORT` in this process, serving `artifact`: exit code, stderr lines, stdout."""
+    from train.__main__ import main
+    from train.serving import server
+
+    monkeypatch.setattr(server, "load_engine", lambda args, scratch: ArtifactEngine(artifact, _batcher(artifact)))
+    capsys.readouterr()
+    code = main(["serve", "--exported", "fake", "--port", str(port)])
+    captured = capsys.readouterr()
+    return code, captured.err.splitlines(), captured.out
+
+
+def test_a_busy_port_is_one_line_exit_2_before_any_shape_is_compiled(monkeypatch, capsys):
+    artifact = FakeArtifact()
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        code, err, out = _serve_fake(monkeypatch, artifact, port, capsys)
+    assert code == 2 and out == ""
+    assert err == [f"error: cannot listen on 127.0.0.1:{port} (Address already in use): pass another --port or --host"]
+    assert artifact.shapes == []
+
+
 @pytest.mark.slow
 def test_serve_a_run_then_sigterm_answers_every_accepted_request_and_exits_0(tmp_path):
     from tests.conftest import tiny_config
@@ -331,6 +356,28 @@ def test_serve_a_run_then_sigterm_answers_every_accepted_request_and_exits_0(tmp
     answered = sum(1 for r in results if r in (200, 503))
     assert accepted == 1 + answered, (stopped, results)  # every request a handler took was answered
     assert 200 in results, results
+
+
+@pytest.fixture(scope="module")
+def tiny_export(reference_run, tmp_path_factory) -> Path:
+    from train.__main__ import main
+
+    out = tmp_path_factory.mktemp("serve") / "exported"
+    assert main(["export", "--workdir", str(reference_run[0]), "--out", str(out), "--platforms", "cpu"]) == 0
+    return out
+
+
+@pytest.mark.slow
+def test_serve_on_a_busy_port_says_so_before_compiling(tiny_export):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        done = subprocess.run([sys.executable, "-m", "train", "serve", "--exported", str(tiny_export), "--port",
+                               str(port)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr == (f"error: cannot listen on 127.0.0.1:{port} (Address already in use): pass another "
+                           "--port or --host\n")
 
 
 @pytest.mark.parametrize("argv,words", [
