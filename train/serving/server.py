@@ -12,9 +12,11 @@ The HTTP layer (train/serving/service.py) checks every request before anything i
 
 SIGTERM or Ctrl-C: the listening socket closes, a request that still arrives on an open connection is
 refused with a 503 ("shutting down"), every accepted request is answered, then the process prints one
-line with the request counts and exits 0 (a second signal exits 130 at once). It binds to 127.0.0.1
-unless --host says otherwise, before the warm-up (a port in use is refused at once), and accepts
-connections once every shape is compiled.
+line with the request counts and exits 0 (a second signal exits 130 at once). During the warm-up, it
+stops once the compiles in progress end, as any command interrupted during start-up (one line, exit 130).
+
+It binds to 127.0.0.1 unless --host says otherwise, before the warm-up (a port in use is refused at
+once), and accepts connections once every shape is compiled.
 """
 
 from __future__ import annotations
@@ -26,13 +28,15 @@ import os
 import signal
 import sys
 import tempfile
-from collections.abc import Callable
+import threading
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from train.errors import ConfigError, UsageError
+from train.interrupts import INTERRUPTED_EXIT, SIGNALS, Interrupted
 from train.serving.batcher import Batcher, powers_of_two
 from train.serving.service import Engine, Limits, RequestError, Service
 
@@ -77,30 +81,37 @@ class ArtifactEngine:
 
 
 async def run_server(engine: Engine, *, host: str, port: int, limits: Limits, drain_timeout_s: float = 60.0,
-                     on_ready: Callable[[str], None] | None = None, warm: Callable[[], Any] | None = None,
+                     on_ready: Callable[[str], None] | None = None,
+                     warm: Callable[[threading.Event], Awaitable[Any]] | None = None,
                      say: Callable[[str], None] | None = None) -> int:
     """Bind host:port (ConfigError at once when it is taken), warm, listen; serve until SIGTERM or SIGINT,
-    drain, return the exit code (0; 130 on a second signal)."""
+    drain, return the exit code (0; 130 on a second signal). A signal during the warm-up sets the event
+    `warm` is given, and once `warm` returns raises Interrupted: the command's start-up was interrupted."""
     from aiohttp import web
 
     service = Service(engine, limits, say)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
-    signals = 0
+    halt_warm_up = threading.Event()
+    signals: list[str] = []
+    serving = False
+    previous = {sig: signal.getsignal(sig) for sig in SIGNALS}
 
     def on_signal(signum: int) -> None:
-        nonlocal signals
-        signals += 1
-        if signals > 1:
-            service.say(f"{signal.Signals(signum).name} again: stopping now, {service.counts.in_flight} requests "
-                        "unanswered")
+        signals.append(signal.Signals(signum).name)
+        if len(signals) > 1:
+            service.say(f"{signals[-1]} again: stopping now, " + (f"{service.counts.in_flight} requests unanswered"
+                                                                   if serving else "during the warm-up"))
             sys.stderr.flush()
-            os._exit(130)
-        service.say(f"{signal.Signals(signum).name}: draining {service.counts.in_flight} requests in flight, "
+            os._exit(INTERRUPTED_EXIT)
+        if not serving:  # nothing to drain: the warm-up ends after the compiles in progress
+            halt_warm_up.set()
+            return
+        service.say(f"{signals[-1]}: draining {service.counts.in_flight} requests in flight, "
                     "refusing new ones (again to stop now)")
         stop.set()
 
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in SIGNALS:
         loop.add_signal_handler(sig, on_signal, sig)
     try:
         runner = web.AppRunner(service.app(), access_log=None, handle_signals=False,
@@ -115,9 +126,10 @@ async def run_server(engine: Engine, *, host: str, port: int, limits: Limits, dr
             raise ConfigError(f"cannot listen on {host}:{port} ({why}): pass another --port or --host") from None
         try:
             if warm is not None:
-                await warm()
-                if stop.is_set():
-                    return 0
+                await warm(halt_warm_up)
+            if halt_warm_up.is_set():
+                raise Interrupted(signals[0])
+            serving = True  # with no await since the check: a signal from here on drains
             await listener.start_serving()
             url = f"http://{host if ':' not in host else f'[{host}]'}:{listener.sockets[0].getsockname()[1]}"
             if on_ready is not None:
@@ -137,9 +149,11 @@ async def run_server(engine: Engine, *, host: str, port: int, limits: Limits, dr
                     f"clients gone before their answer, {c.in_flight} unanswered")
         return 0
     finally:
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in SIGNALS:
             with contextlib.suppress(Exception):
                 loop.remove_signal_handler(sig)
+            if previous[sig] is not None:  # the command's own policy (train/interrupts.py), as before the server
+                signal.signal(sig, previous[sig])
 
 
 # --- the command --------------------------------------------------------------------------------
@@ -240,13 +254,14 @@ def main(argv: list[str]) -> int:
         if args.host not in ("127.0.0.1", "localhost", "::1"):
             say(f"note: binding to {args.host}, not loopback: anyone who reaches this address can use the model")
 
-        async def warm() -> None:
+        async def warm(stop: threading.Event) -> None:
             shapes = batcher.shapes()
             say(f"compiling {len(shapes)} shapes ({len(batcher.batch_sizes)} batch sizes x lengths "
                 f"{','.join(map(str, batcher.lengths))}) ...")
-            seconds = await asyncio.get_running_loop().run_in_executor(None, batcher.warm, say)
-            say(f"compiled in {seconds:.0f}s")
-            batcher.start()
+            seconds = await asyncio.get_running_loop().run_in_executor(None, lambda: batcher.warm(say, stop=stop))
+            if not stop.is_set():
+                say(f"compiled in {seconds:.0f}s")
+                batcher.start()
 
         def ready(url: str) -> None:
             a = engine.artifact

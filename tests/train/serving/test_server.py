@@ -8,8 +8,10 @@ bench/serve_load.py, under `slow` below."""
 from __future__ import annotations
 
 import asyncio
+import errno
 import http.client
 import json
+import os
 import shutil
 import signal
 import socket
@@ -25,6 +27,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.conftest import free_port
 from train.serving.batcher import Batcher, ClosedError, QueueFullError
 from train.serving.server import ArtifactEngine
 from train.serving.service import Limits, Service
@@ -150,6 +153,21 @@ def test_a_full_queue_refuses_at_once_and_a_drain_answers_what_it_accepted():
 
     results, shapes = asyncio.run(go())
     assert all(len(r) == 2 for r in results) and sum(b for b, _ in shapes) >= 6
+
+
+def test_a_warm_up_told_to_stop_runs_no_shape_it_had_not_begun():
+    artifact = FakeArtifact()
+    stop = threading.Event()
+    run = artifact.run
+
+    def first_then_stop(tokens: np.ndarray, mask: np.ndarray) -> dict[str, np.ndarray]:
+        stop.set()  # as a signal during the first compile would
+        return run(tokens, mask)
+
+    artifact.run = first_then_stop  # type: ignore[method-assign]
+    batcher = _batcher(artifact)
+    batcher.warm(threads=1, stop=stop)
+    assert len(artifact.shapes) == 1 and batcher.costs == {}  # of 6 shapes to compile, then 12 timed runs
 
 
 # --- the HTTP layer -----------------------------------------------------------------------------
@@ -311,6 +329,38 @@ def test_a_busy_port_is_one_line_exit_2_before_any_shape_is_compiled(monkeypatch
     assert artifact.shapes == []
 
 
+def test_during_the_warm_up_the_port_is_held_and_a_signal_ends_serve_as_training_ends(monkeypatch, capsys):
+    """While the shapes compile, the port is bound (no other process can take it) but refuses connections
+    (nothing would answer them); SIGTERM then stops the warm-up with the line and exit code training gives
+    when interrupted during start-up, and nothing of the drain (no "draining", no "stopped:")."""
+    port = free_port()
+    artifact = FakeArtifact()
+    seen: list[str] = []
+    first = threading.Lock()  # the warm-up compiles on several threads: only the first call checks
+    run = artifact.run
+
+    def first_shape(tokens: np.ndarray, mask: np.ndarray) -> dict[str, np.ndarray]:
+        if first.acquire(blocking=False):
+            with socket.socket() as other:
+                try:
+                    other.bind(("127.0.0.1", port))
+                    seen.append("bound by another")
+                except OSError as err:
+                    seen.append(errno.errorcode[err.errno])
+            with socket.socket() as client:
+                seen.append(errno.errorcode[client.connect_ex(("127.0.0.1", port))])
+            os.kill(os.getpid(), signal.SIGTERM)
+        return run(tokens, mask)
+
+    artifact.run = first_shape  # type: ignore[method-assign]
+    code, err, out = _serve_fake(monkeypatch, artifact, port, capsys)
+    assert seen == ["EADDRINUSE", "ECONNREFUSED"]
+    assert code == 130 and out == "", err
+    assert err[-1] == ("interrupted during start-up: stopped; checkpoints already saved in the workdir are intact "
+                       "(rerun the same command to continue)")
+    assert not any(line.startswith(("compiled in", "SIGTERM", "stopped:")) for line in err), err
+
+
 @pytest.mark.slow
 def test_serve_a_run_then_sigterm_answers_every_accepted_request_and_exits_0(tmp_path):
     from tests.conftest import tiny_config
@@ -378,6 +428,24 @@ def test_serve_on_a_busy_port_says_so_before_compiling(tiny_export):
     assert done.returncode == 2 and done.stdout == ""
     assert done.stderr == (f"error: cannot listen on 127.0.0.1:{port} (Address already in use): pass another "
                            "--port or --host\n")
+
+
+@pytest.mark.slow
+def test_sigterm_during_the_warm_up_ends_serve_with_trainings_line_and_exit_130(tiny_export):
+    lengths = ",".join(str(n) for n in range(1, 17))  # x 7 batch sizes: 112 shapes, the signal comes at the first
+    proc = subprocess.Popen([sys.executable, "-m", "train", "serve", "--exported", str(tiny_export), "--port", "0",
+                             "--lengths", lengths, "--max-batch", "64"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    assert proc.stderr is not None
+    first = proc.stderr.readline()
+    assert first.startswith("compiling 112 shapes"), first
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=300)
+    lines = err.splitlines()
+    assert proc.returncode == 130 and out == "", err
+    assert lines[-1] == ("interrupted during start-up: stopped; checkpoints already saved in the workdir are intact "
+                         "(rerun the same command to continue)")
+    assert not any(line.startswith(("compiled in", "SIGTERM", "stopped:")) for line in lines), err
 
 
 @pytest.mark.parametrize("argv,words", [
