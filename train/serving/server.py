@@ -188,7 +188,8 @@ def _parser() -> argparse.ArgumentParser:
     p = Parser(prog=f"{program()} serve", description="Serve an export (or a trained run) as a JSON HTTP API with "
                "dynamic batching: POST /predict, POST /embed, GET /health (docs/serving.md).")
     source = p.add_mutually_exclusive_group(required=True)
-    source.add_argument("--exported", help="a directory written by python -m train export")
+    source.add_argument("--exported", help="a directory written by python -m train export, or the run's workdir "
+                        "that holds it (WORKDIR/exported)")
     source.add_argument("--workdir", help="a trained run: exported for this machine's platform at start")
     p.add_argument("--step", type=int, help="with --workdir: the checkpoint (default: best if kept, else latest)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s, loopback only)")
@@ -215,13 +216,22 @@ def _platform() -> str:
 
 
 def load_engine(args: argparse.Namespace, scratch: Path) -> ArtifactEngine:
-    """The export --exported names, or --workdir's run exported into `scratch` for this platform."""
-    from train.serving.artifact import Artifact
+    """The export --exported names (or the one in the run's workdir it names), or --workdir's run exported
+    into `scratch` for this platform."""
+    from train import export
+    from train.serving.artifact import MANIFEST_FILE, Artifact
 
     directory = Path(args.exported) if args.exported else scratch / "exported"
-    if args.workdir:
-        from train import export
+    if args.exported and not (directory / MANIFEST_FILE).is_file():
+        from train.checkpoints.store import CONFIG_FILE
 
+        if (directory / export.DEFAULT_DIR / MANIFEST_FILE).is_file():
+            directory = directory / export.DEFAULT_DIR  # a run's workdir: the export `export --workdir` wrote there
+        elif (directory / CONFIG_FILE).is_file():
+            raise ConfigError(f"--exported {directory} is a run's workdir with no export in it: serve it with "
+                              f"--workdir {directory} (exported at start), or run python -m train export "
+                              f"--workdir {directory} first")
+    if args.workdir:
         if not Path(args.workdir).is_dir():
             raise ConfigError(f"workdir {args.workdir} does not exist: pass the --workdir of a trained run")
         export.write_export(export.from_workdir(Path(args.workdir), args.step), directory, [_platform()])

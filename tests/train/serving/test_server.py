@@ -361,6 +361,33 @@ def test_during_the_warm_up_the_port_is_held_and_a_signal_ends_serve_as_training
     assert not any(line.startswith(("compiled in", "SIGTERM", "stopped:")) for line in err), err
 
 
+def test_exported_may_name_the_workdir_that_holds_the_export(monkeypatch, tmp_path, capsys):
+    """`serve --exported runs/sentiment` serves runs/sentiment/exported, where `export --workdir` writes."""
+    from train.__main__ import main
+    from train.errors import CheckpointError
+    from train.serving.artifact import Artifact
+
+    loaded: list[Path] = []
+
+    def load(cls, directory):
+        loaded.append(Path(directory))
+        raise CheckpointError("loaded")  # what happens next is another test's
+
+    monkeypatch.setattr(Artifact, "load", classmethod(load))
+    (tmp_path / "exported").mkdir()
+    (tmp_path / "exported/manifest.json").write_text("{}")
+    for directory in (tmp_path, tmp_path / "exported"):
+        assert main(["serve", "--exported", str(directory)]) == 2
+    assert loaded == [tmp_path / "exported"] * 2
+    (tmp_path / "exported/manifest.json").unlink()
+    (tmp_path / "config.yaml").write_text("{}")  # a run's workdir, not exported
+    capsys.readouterr()
+    assert main(["serve", "--exported", str(tmp_path)]) == 2
+    assert capsys.readouterr().err == (f"error: --exported {tmp_path} is a run's workdir with no export in it: serve "
+                                       f"it with --workdir {tmp_path} (exported at start), or run python -m train "
+                                       f"export --workdir {tmp_path} first\n")
+
+
 @pytest.mark.slow
 def test_serve_a_run_then_sigterm_answers_every_accepted_request_and_exits_0(tmp_path):
     from tests.conftest import tiny_config
