@@ -5,7 +5,9 @@ renamed into place at the end."""
 
 from __future__ import annotations
 
+import contextlib
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -54,11 +56,26 @@ def write_hf_dir(model_config: Any, params: Any, tokenizer: Any, labels: list[st
     hf_tokenizer = _hf_tokenizer(tokenizer, max_len)
 
     def write(tmp: Path) -> dict[str, Any]:
-        model.save_pretrained(str(tmp), safe_serialization=True)
-        hf_tokenizer.save_pretrained(str(tmp))
+        with _no_progress_bars():  # "Writing model shards: 100%|...": the command prints its own line
+            model.save_pretrained(str(tmp), safe_serialization=True)
+            hf_tokenizer.save_pretrained(str(tmp))
         return {"architecture": type(model).__name__, "labels": labels}
 
     return dict(replace_dir(out, write, what="transformers export"))
+
+
+@contextlib.contextmanager
+def _no_progress_bars() -> Iterator[None]:
+    """transformers' (and huggingface_hub's) progress bars off, then as they were."""
+    from transformers.utils import logging as hf_logging
+
+    shown = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if shown:
+            hf_logging.enable_progress_bar()
 
 
 def _hf_tokenizer(tokenizer: Any, max_len: int) -> Any:
