@@ -5,8 +5,8 @@
 
 Exports the same model both ways (train/export.py, --params artifact and --params safetensors) into a
 temporary directory, then, in a fresh process per measurement and alternating the two, loads it the way a
-model-code-free loader does (jax, numpy and tokenizers only; safetensors parsed with numpy) and times:
-reading and deserializing (plus reading the weights and placing them on the device), the first call at
+model-code-free loader does (jax, flatbuffers, numpy and tokenizers only; safetensors parsed with numpy) and
+times: reading and deserializing (plus reading the weights and placing them on the device), the first call at
 each of SHAPES (each compiles), then a steady call (the mean of 5) at the last shape. It reports the files'
 sizes, the medians, and the process's peak resident memory after the compiles. The choice it informs is
 written in docs/serving.md.

@@ -2,7 +2,7 @@
 
     python -m bench.serve_peer --hf HF_DIR [--port P]     # HF_DIR: python -m train export --format hf
 
-The same aiohttp service as `python -m train serve` (train/serving/server.py: the same JSON API, limits,
+The same aiohttp service as `python -m train serve` (train/serving/service.py: the same JSON API, limits,
 queue bound and drain), with `transformers.pipeline("text-classification")` answering each request as it
 comes, as a pipeline is usually deployed: one request is one pipeline call (its texts as one batch, padded
 to the longest, truncated to the model's max length), one call at a time. Only /predict is served.
@@ -17,7 +17,8 @@ import sys
 from typing import Any
 
 from train.serving.batcher import QueueFullError
-from train.serving.server import Limits, run_server
+from train.serving.server import run_server
+from train.serving.service import Limits
 
 
 class PipelineEngine:

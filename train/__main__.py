@@ -52,7 +52,7 @@ commands:
   verify     --workdir W [--json]: read every checkpoint back and report, per step, whether it restores
              and what is damaged, moving nothing (exit 0 all restore, 1 some damaged, 2 bad input)
   export     --workdir W [--out DIR] [--platforms cpu,cuda,tpu] [--format jax|hf]: the run's inference as a
-             jax.export artifact that loads with jax, numpy and tokenizers only, or a transformers directory
+             jax.export artifact that loads with jax, flatbuffers, numpy and tokenizers, or a transformers directory
   serve      (--exported DIR | --workdir W) [--host 127.0.0.1] [--port P]: JSON HTTP predict, embed and health
              with dynamic batching (docs/serving.md)
   lower      --config C --platform tpu|cuda [--devices 8] [--layout dp|fsdp|tp|...] [--out DIR] [key=value ...]:

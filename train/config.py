@@ -349,6 +349,11 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
     data: dict[str, Any] = {}
     if path is not None:
         p = Path(path)
+        if p.is_dir():
+            yamls = sorted(p.glob("*.yaml")) + sorted(p.glob("*.yml"))
+            raise ConfigError(f"--config {p} is a directory: pass one YAML file in it, e.g. --config {yamls[0]} "
+                              f"({len(yamls)} there)" if yamls else f"--config {p} is a directory with no YAML file "
+                              "in it: pass a config file (see configs/)")
         if not p.is_file():
             raise ConfigError(f"config file {p} not found: pass an existing --config (see configs/)")
         try:

@@ -173,6 +173,9 @@ class Embedder:
         """float32 [len(texts), D]: batches of similar length, the last topped up with empty rows."""
         if not texts:
             raise DataError("no text to embed: pass one or more texts")
+        blank = next((i for i, text in enumerate(texts) if not text.strip()), None)
+        if blank is not None:  # a pretrained tokenizer gives [CLS] [SEP] for it: a vector of nothing
+            raise DataError(f"text {blank + 1} is empty or only whitespace: pass a text to embed")
         rows, _ = self.rows(texts)
         order = np.argsort([len(r) for r in rows], kind="stable")
         out: np.ndarray | None = None

@@ -12,7 +12,7 @@ size, half the compile time per shape and half the memory; `--params artifact` w
 `tokenizer.json`, the run's tokenizer set to truncate to max_len and pad to the longest text; and
 `manifest.json`: the versions, the calling convention, the platforms, the attention kernel and why, the
 input contract, the outputs, the class labels, the parameters' order and byte layout, and a SHA-256 of every
-file. Loading it needs jax, numpy and tokenizers, nothing of this repository.
+file. Loading it needs LOADER_PACKAGES (jax.export's deserialize imports flatbuffers, which jax lacks) alone.
 
 The function takes (params, tokens int32[b, l], attention_mask int32[b, l]) (1 = real token, real tokens
 first, what `tokenizer.json`'s encode_batch gives) and returns a dict: a classifier's `logits` and
@@ -24,8 +24,8 @@ Attention runs XLA's plain-HLO kernel in the export whatever the run trained wit
 kernels are custom calls that `jax.export` cannot serialize portably, and one artifact serves every
 platform, so no platform-specific kernel can be in it (see KERNEL_REASON).
 
-`--format hf` writes a transformers directory instead (config.json with id2label, model.safetensors,
-tokenizer), for the families `jaxblock.interop.hf.to_hf` writes; it needs the `hf` extra.
+`--format hf` writes a transformers directory instead (train/export_hf.py); the tokenizer.json of both
+formats is train/export_tokenizer.py's.
 
 Everything is written into a temporary directory beside --out and renamed into place at the end, so a
 partial export never looks complete; an existing export at --out is replaced only then. Bad input is one
@@ -52,6 +52,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from train.errors import NO_SPACE_ERRNOS, CheckpointError, ConfigError, DiskFullError, UsageError
+from train.export_tokenizer import exported_tokenizer
 
 FORMAT = "jaxblock-export/1"
 MODEL_FILE = "model.jax"
@@ -59,6 +60,7 @@ PARAMS_FILE = "params.safetensors"
 TOKENIZER_FILE = "tokenizer.json"
 MANIFEST_FILE = "manifest.json"
 DEFAULT_DIR = "exported"  # --out when omitted: <workdir>/exported
+LOADER_PACKAGES = ("jax", "flatbuffers", "numpy", "tokenizers")  # what loading an export needs
 PLATFORMS = ("cpu", "cuda", "rocm", "tpu")  # what jax.export lowers for
 DEFAULT_PLATFORMS = ("cpu", "cuda", "tpu")
 KERNEL = "xla"
@@ -154,57 +156,6 @@ def from_model(spec: str) -> Source:
     return Source("encoder", model, jax.tree.map(np.asarray, embedder.params), embed, embedder.tokenizer,
                   embedder.max_len, embedder.buckets, pooling=described,
                   record={"model": spec, "path": str(embedder.directory)})
-
-
-# --- the tokenizer ------------------------------------------------------------------------------
-
-
-def exported_tokenizer(tokenizer: Any, max_len: int) -> Any:
-    """The run's tokenizer as a `tokenizers.Tokenizer` giving the same ids, set to truncate to `max_len`
-    (keeping a pretrained tokenizer's closing special tokens, as train.data.tokenizer.truncate does) and to
-    pad a batch to its longest text with the padding id."""
-    from tokenizers import Tokenizer as HFTokenizer
-
-    with tempfile.TemporaryDirectory() as tmp:
-        tokenizer.save(Path(tmp))
-        path = Path(tmp) / TOKENIZER_FILE
-        hf = HFTokenizer.from_file(str(path)) if path.is_file() else _rebuilt(tokenizer)
-    hf.no_padding()
-    hf.enable_truncation(max_length=max_len)
-    pad_token = hf.id_to_token(tokenizer.pad_id) or "<pad>"
-    hf.enable_padding(pad_id=tokenizer.pad_id, pad_token=pad_token)
-    return hf
-
-
-def _rebuilt(tokenizer: Any) -> Any:
-    """A tokenizers.Tokenizer for our tokenizers that have no tokenizer.json: bytes (each UTF-8 byte its
-    own token, id byte + 3) and the synthetic tasks' integer symbols (id symbol + 2, anything else <unk>;
-    integers as the synthetic rows write them: "07" or a non-ASCII digit is <unk> here, a symbol there)."""
-    from tokenizers import Tokenizer as HFTokenizer
-    from tokenizers import decoders, models, pre_tokenizers
-
-    if tokenizer.kind == "byte":
-        vocab = {"<pad>": 0, "<bos>": 1, "<eos>": 2}
-        vocab |= {_byte_char(b): b + tokenizer.offset for b in range(256)}
-        hf = HFTokenizer(models.BPE(vocab=vocab, merges=[]))
-        hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-        hf.decoder = decoders.ByteLevel()
-        return hf
-    if tokenizer.kind == "id":
-        vocab = {"<pad>": 0, "<unk>": 1} | {str(i): i + tokenizer.offset for i in range(tokenizer.symbols)}
-        hf = HFTokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-        hf.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-        return hf
-    raise ConfigError(f"the run's tokenizer is of kind '{tokenizer.kind}', which export cannot write as a "
-                      "tokenizer.json: export a run trained with a bpe, byte or pretrained tokenizer")
-
-
-def _byte_char(b: int) -> str:
-    """The character GPT-2's byte-level alphabet (tokenizers' ByteLevel) stands byte `b` for."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    if b in printable:
-        return chr(b)
-    return chr(256 + sorted(set(range(256)) - set(printable)).index(b))
 
 
 # --- writing ------------------------------------------------------------------------------------
@@ -376,70 +327,6 @@ def replace_dir(out: Path, write: Callable[[Path], Any], *, what: str) -> Any:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-# --- transformers -------------------------------------------------------------------------------
-
-
-def write_hf(workdir: Path, out: Path, step: int | None = None) -> dict[str, Any]:
-    """A transformers directory of the run's best checkpoint (or `step`)."""
-    from train.checkpoints.restore import restore_run
-
-    run = restore_run(workdir, step)
-    for note in run.notes:
-        print(note, file=sys.stderr)
-    if run.config.task not in ("classification", "mlm"):
-        raise ConfigError(f"--format hf writes classifiers and encoders; the run in {workdir} is task="
-                          f"{run.config.task}")
-    params = jax.tree.map(np.asarray, run.params)
-    params = params if run.config.task == "classification" else params["encoder"]
-    info = write_hf_dir(run.config.model, params, run.tokenizer, run.label_names, run.config.data.max_len, out)
-    return {**info, "step": run.step}
-
-
-def write_hf_dir(model_config: Any, params: Any, tokenizer: Any, labels: list[str], max_len: int,
-                 out: Path) -> dict[str, Any]:
-    """config.json (id2label), model.safetensors and the tokenizer of Classifier params (a
-    *ForSequenceClassification) or Encoder params (a base model), through jaxblock.interop.hf.to_hf."""
-    try:
-        import transformers  # noqa: F401
-
-        from jaxblock.interop.hf import UnsupportedConfigError, to_hf
-    except ImportError:
-        raise ConfigError("--format hf needs transformers and torch: pip install -e '.[hf]'") from None
-    try:
-        model = to_hf(model_config, {"params": params}, pad_token_id=tokenizer.pad_id)
-    except UnsupportedConfigError as err:
-        raise ConfigError(f"--format hf: the run's model has no transformers equivalent ({err}): use the default "
-                          "format (a jax.export artifact)") from None
-    if labels:
-        model.config.id2label = dict(enumerate(labels))
-        model.config.label2id = {name: i for i, name in enumerate(labels)}
-    hf_tokenizer = _hf_tokenizer(tokenizer, max_len)
-
-    def write(tmp: Path) -> dict[str, Any]:
-        model.save_pretrained(str(tmp), safe_serialization=True)
-        hf_tokenizer.save_pretrained(str(tmp))
-        return {"architecture": type(model).__name__, "labels": labels}
-
-    return dict(replace_dir(out, write, what="transformers export"))
-
-
-def _hf_tokenizer(tokenizer: Any, max_len: int) -> Any:
-    from transformers import PreTrainedTokenizerFast
-
-    hf = exported_tokenizer(tokenizer, max_len)
-    hf.no_padding()
-    hf.no_truncation()
-    vocab = hf.get_vocab()
-    special = {}
-    for role, names in (("unk_token", ("[UNK]", "<unk>")), ("cls_token", ("[CLS]", "<s>")),
-                        ("sep_token", ("[SEP]", "</s>")), ("mask_token", ("[MASK]", "<mask>"))):
-        found = next((n for n in names if n in vocab), None)
-        if found is not None:
-            special[role] = found
-    return PreTrainedTokenizerFast(tokenizer_object=hf, model_max_length=max_len,
-                                   pad_token=hf.id_to_token(tokenizer.pad_id) or "<pad>", **special)
-
-
 # --- the command --------------------------------------------------------------------------------
 
 
@@ -477,6 +364,8 @@ def main(argv: list[str]) -> int:
         if args.workdir is None:
             raise UsageError("export --format hf writes a trained run (--workdir); a pretrained checkpoint "
                              "already is a transformers directory")
+        from train.export_hf import write_hf
+
         info = write_hf(Path(args.workdir), out, args.step)
         print(f"exported checkpoint {info['step']} of {args.workdir} as a transformers {info['architecture']} into "
               f"{out} ({time.perf_counter() - started:.0f}s)")
@@ -494,6 +383,6 @@ def main(argv: list[str]) -> int:
             f"an encoder ({info['outputs']['embeddings']['shape'][1]}-dim embeddings)")
     step = f"checkpoint {source.record['step']} of {args.workdir}" if args.workdir else args.model
     print(f"exported {step}: {what}, tokens up to {source.max_len}, for {','.join(platforms)}, into {out} "
-          f"({size:.1f} MiB, {time.perf_counter() - started:.0f}s); load it with jax, numpy and tokenizers "
-          "(docs/serving.md)")
+          f"({size:.1f} MiB, {time.perf_counter() - started:.0f}s); load it with {', '.join(LOADER_PACKAGES[:-1])} "
+          f"and {LOADER_PACKAGES[-1]} (pip install {' '.join(LOADER_PACKAGES)}; docs/serving.md)")
     return 0

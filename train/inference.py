@@ -40,7 +40,7 @@ class Prediction:
     probability: float
     probabilities: dict[str, float]
     truncated: bool = False  # the text had more than data.max_len tokens; only the first max_len were read
-    error: str | None = None  # why there is no prediction (e.g. an empty text); label "" and probability 0
+    error: str | None = None  # why there is no prediction (an empty or blank text); label "" and probability 0
 
 
 class TrainedRun:
@@ -74,14 +74,15 @@ class TrainedRun:
 
     def predict(self, texts: list[str], strict: bool = True) -> list[Prediction]:
         """One prediction per text (each truncated to data.max_len tokens: `truncated` says so). An empty
-        text is a DataError when `strict`, else a Prediction with `error` set (the others still run)."""
+        text (no tokens, or only whitespace, which some tokenizers give tokens for) is a DataError when
+        `strict`, else a Prediction with `error` set (the others still run)."""
         if not self.task.predicts_labels:
             raise DataError(f"the run in {self.workdir} is a task={self.task.name} run, which predicts no class "
                             "labels: evaluate reports its metrics; to predict labels, fine-tune a classification run "
                             "from it (model.init_from)")
         texts, max_len = list(texts), self.config.data.max_len
         lengths = [len(self.tokenizer.encode(t)) for t in texts]
-        good = [i for i, n in enumerate(lengths) if n > 0]
+        good = [i for i, n in enumerate(lengths) if n > 0 and texts[i].strip()]
         if strict or not texts:
             data.encode_texts(self.tokenizer, texts, max_len, self.config.data.buckets)  # raises the DataError
         out = [Prediction("", 0.0, {}, error="empty text") for _ in texts]

@@ -28,6 +28,18 @@ def test_a_misspelt_command_or_key_gets_a_suggestion(capsys):
     assert err.count("\n") == 1 and "unknown key 'optim.lrr'" in err and "(did you mean 'optim.lr'?)" in err
 
 
+def test_a_config_directory_is_named_as_one_with_a_file_to_pass(tmp_path, capsys):
+    assert main(["--config", "configs", "--workdir", str(tmp_path / "w")]) == 2
+    err = capsys.readouterr().err
+    yamls = sorted(p.name for p in (tmp_path.cwd() / "configs").glob("*.yaml"))
+    assert err == (f"error: --config configs is a directory: pass one YAML file in it, e.g. --config "
+                   f"configs/{yamls[0]} ({len(yamls)} there)\n")
+    (tmp_path / "empty").mkdir()
+    assert main(["--config", str(tmp_path / "empty"), "--workdir", str(tmp_path / "w")]) == 2
+    assert "is a directory with no YAML file in it" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty"]  # no workdir made
+
+
 def test_usage_names_the_program_as_invoked(monkeypatch):
     monkeypatch.setattr(sys, "argv", ["/usr/local/bin/jaxblock", "--help"])
     assert program() == "jaxblock"

@@ -102,7 +102,7 @@ def test_cli_writes_embeddings_in_input_order(tmp_path, capsys, suffix):
 
 
 @pytest.mark.parametrize("case", ["family", "no_tokenizer", "unknown_name", "offline", "dense_module", "bad_out",
-                                  "no_text"])
+                                  "no_text", "empty_text", "blank_text"])
 def test_cli_bad_input_is_one_line_exit_2_nothing_written(tmp_path, capsys, monkeypatch, case):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     monkeypatch.setenv("PIP_NO_INDEX", "1")  # offline: pip finds nothing
@@ -111,7 +111,8 @@ def test_cli_bad_input_is_one_line_exit_2_nothing_written(tmp_path, capsys, monk
     model, out, texts = f"hf:{path}", tmp_path / "v.npy", ["a text"]
     expect = {"family": "model_type", "no_tokenizer": "holds no tokenizer.json", "unknown_name": "packaged names",
               "offline": "copy the wheel", "dense_module": "Dense module", "bad_out": "name it .npy",
-              "no_text": "no text to embed"}[case]
+              "no_text": "no text to embed", "empty_text": "text 2 is empty or only whitespace",
+              "blank_text": "text 2 is empty or only whitespace"}[case]
     if case == "family":
         raw = json.loads((path / "config.json").read_text())
         (path / "config.json").write_text(json.dumps({**raw, "model_type": "gpt2", "architectures": ["GPT2Model"]}))
@@ -127,6 +128,8 @@ def test_cli_bad_input_is_one_line_exit_2_nothing_written(tmp_path, capsys, monk
                                                                   "type": "sentence_transformers.models.Dense"}]))
     elif case == "bad_out":
         out = tmp_path / "v.csv"
+    elif case in ("empty_text", "blank_text"):  # the WordPiece tokenizer gives [CLS] [SEP] for either
+        texts = ["a text", "" if case == "empty_text" else " \t "]
     else:
         texts = ["--input", str(tmp_path / "empty.txt")]
         (tmp_path / "empty.txt").write_text("\n")

@@ -1,4 +1,4 @@
-"""`python -m train export`: the artifact loads with jax, numpy and tokenizers alone and gives `predict`'s
+"""`python -m train export`: the artifact loads with the packages docs/serving.md installs alone and gives `predict`'s
 numbers; damaged artifacts and bad input are one line; the exported tokenizer gives the run's ids; the
 transformers directory gives our predictions."""
 
@@ -22,19 +22,58 @@ from tests.conftest import ROOT, SYMBOL_TEXTS
 from train.__main__ import main
 from train.errors import CheckpointError
 
-DOCS_BLOCK = re.search(r"```python\n(.*?)```", (ROOT / "docs/serving.md").read_text(encoding="utf-8"), re.DOTALL)
+SERVING_DOCS = (ROOT / "docs/serving.md").read_text(encoding="utf-8")
+DOCS_BLOCK = re.search(r"```python\n(.*?)```", SERVING_DOCS, re.DOTALL)
+DOCS_INSTALL = re.search(r"^pip install (.+?)\s+# what loading an export needs$", SERVING_DOCS, re.MULTILINE)
 TEXTS = ["a gripping, funny film", "dull and overlong"]  # the docs block's texts
+MODEL_CODE = ("jaxblock", "flax", "optax", "orbax", "train")
 
-# Runs the docs block in a process where the model code cannot be imported, then prints its `probs`.
-_BLOCKED_RUNNER = r"""
-import importlib.abc, json, sys
-BLOCKED = ("jaxblock", "flax", "optax", "orbax", "train")
-class Blocked(importlib.abc.MetaPathFinder):
+
+def _named_distributions() -> list[str]:
+    """The distributions the docs' install line names, and every one they require (installed here): what
+    a venv holding only that line's packages would hold."""
+    import importlib.metadata
+
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    assert DOCS_INSTALL is not None, "docs/serving.md has no `pip install ...  # what loading an export needs`"
+    seen: set[str] = set()
+    todo = DOCS_INSTALL.group(1).split()
+    while todo:
+        name = str(canonicalize_name(todo.pop()))
+        if name in seen:
+            continue
+        seen.add(name)
+        try:
+            requires = importlib.metadata.requires(name) or []
+        except importlib.metadata.PackageNotFoundError:
+            continue  # an optional dependency not installed here: nothing of it can be imported anyway
+        for text in requires:
+            requirement = Requirement(text)
+            if requirement.marker is None or requirement.marker.evaluate({"extra": ""}):
+                todo.append(requirement.name)
+    return sorted(seen)
+
+
+# Runs the docs block (argv[1]) where a module of an installed distribution imports only if that
+# distribution is in argv[2] (a JSON list; the standard library always imports), then prints its `probs`.
+# Stdlib only: it also runs in a fresh venv.
+_ONLY_NAMED_RUNNER = r"""
+import importlib.abc, importlib.metadata, json, re, sys
+ALLOWED = set(json.loads(sys.argv[2]))
+MODEL_CODE = ("jaxblock", "flax", "optax", "orbax", "train")
+OWNERS = importlib.metadata.packages_distributions()
+def canonical(name):
+    return re.sub(r"[-_.]+", "-", name).lower()
+class OnlyNamed(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
-        if name.partition(".")[0] in BLOCKED:
-            raise ImportError(f"{name} is blocked in this test")
-sys.meta_path.insert(0, Blocked())
-for name in BLOCKED:
+        top = name.partition(".")[0]
+        owners = OWNERS.get(top, [])
+        if top in MODEL_CODE or (owners and not any(canonical(d) in ALLOWED for d in owners)):
+            raise ImportError(f"{name} ({', '.join(owners) or 'this repository'}) is not installed by the docs")
+sys.meta_path.insert(0, OnlyNamed())
+for name in MODEL_CODE:
     try:
         __import__(name)
     except ImportError:
@@ -43,7 +82,7 @@ for name in BLOCKED:
         sys.exit(f"{name} was importable")
 namespace = {"__name__": "__main__"}
 exec(compile(open(sys.argv[1]).read(), "docs/serving.md", "exec"), namespace)
-loaded = sorted({m.partition(".")[0] for m in sys.modules} & set(BLOCKED))
+loaded = sorted({m.partition(".")[0] for m in sys.modules} & set(MODEL_CODE))
 print("RESULT " + json.dumps({"probs": namespace["probs"].tolist(), "blocked_loaded": loaded}))
 """
 
@@ -68,15 +107,56 @@ def exported(tmp_path_factory) -> Path:
     return _export(workdir)
 
 
-def _run_docs_block(export: Path, cwd: Path) -> subprocess.CompletedProcess[str]:
+def _run_docs_block(export: Path, cwd: Path, python: str | Path = sys.executable) -> subprocess.CompletedProcess[str]:
+    """The docs block as written, in `cwd` (runs/sentiment/exported there is `export`), by `python`, where
+    only the docs' install line's packages import (and never this repository's model code)."""
     (cwd / "runs/sentiment").mkdir(parents=True, exist_ok=True)
     link = cwd / "runs/sentiment/exported"
     if not link.exists():
         link.symlink_to(export.absolute())
     (cwd / "block.py").write_text(DOCS_BLOCK.group(1))
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "XLA_FLAGS")}
-    return subprocess.run([sys.executable, "-c", _BLOCKED_RUNNER, "block.py"], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run([str(python), "-c", _ONLY_NAMED_RUNNER, "block.py", json.dumps(_named_distributions())],
+                          cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+
+
+def _result(done: subprocess.CompletedProcess[str]) -> dict:
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.split("RESULT ")[-1])
+    assert result["blocked_loaded"] == []
+    return result
+
+
+def test_the_docs_block_runs_with_only_the_packages_the_docs_install(exported, tmp_path):
+    """What a venv of the docs' `pip install` line holds, here: a module of any other installed
+    distribution (flatbuffers, unless the line names it) raises ImportError."""
+    probs = np.array(_result(_run_docs_block(exported, tmp_path))["probs"])
+    assert probs.shape == (2, 2) and np.allclose(probs.sum(1), 1.0, atol=1e-5)
+    from train.export import LOADER_PACKAGES  # what the export command's last line names
+
+    assert DOCS_INSTALL is not None and DOCS_INSTALL.group(1).split() == list(LOADER_PACKAGES)
+
+
+@pytest.mark.slow
+def test_the_docs_block_runs_in_a_fresh_venv_of_the_docs_install_line(exported, tmp_path, capsys):
+    """A new venv (python -m venv), then the docs' `pip install ...` line as written (from PyPI or the pip
+    cache: this test needs one of them), then the docs block in that venv's python: it runs and gives
+    predict's labels."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
+    assert DOCS_INSTALL is not None
+    pip = subprocess.run([str(venv / "bin/python"), "-m", "pip", "install", "-q", "--disable-pip-version-check",
+                          *DOCS_INSTALL.group(1).split()], capture_output=True, text=True, timeout=1200)
+    assert pip.returncode == 0, pip.stderr[-3000:]
+    (tmp_path / "cwd").mkdir()
+    done = _run_docs_block(exported, tmp_path / "cwd", venv / "bin/python")
+    result = _result(done)
+    capsys.readouterr()
+    assert main(["predict", "--workdir", str(exported.parent), "--json", *TEXTS]) == 0
+    predicted = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    shown = [line.split("\t") for line in done.stdout.splitlines() if "\t" in line]
+    assert [row[0] for row in shown] == [p["label"] for p in predicted]
+    assert np.array(result["probs"]).shape == (2, 2)
 
 
 @pytest.mark.slow
@@ -87,9 +167,7 @@ def test_docs_block_loads_the_export_without_model_code_and_equals_predict(expor
     assert manifest["constraints"] == ["b >= 1", "1 <= l <= 16"]
     assert set(manifest["files"]) == {"model.jax", "params.safetensors", "tokenizer.json"}
     done = _run_docs_block(exported, tmp_path)
-    assert done.returncode == 0, done.stderr
-    result = json.loads(done.stdout.split("RESULT ")[-1])
-    assert result["blocked_loaded"] == []
+    result = _result(done)
     shown = [line.split("\t") for line in done.stdout.splitlines() if "\t" in line]
     assert [row[2] for row in shown] == TEXTS
 
@@ -200,7 +278,7 @@ _TEXT = st.text(st.characters(codec="utf-8"), max_size=60)
 
 def _same_ids(ours, max_len: int, texts: list[str]) -> None:
     from train.data.tokenizer import truncate
-    from train.export import exported_tokenizer
+    from train.export_tokenizer import exported_tokenizer
 
     hf = exported_tokenizer(ours, max_len)
     encodings = hf.encode_batch(texts)
@@ -289,7 +367,7 @@ def test_format_hf_gives_transformers_our_predictions(tmp_path):
     from jaxblock.interop.hf import from_hf
     from tests.conftest import random_bert_dir
     from train.data.labelled import encode_texts
-    from train.export import write_hf_dir
+    from train.export_hf import write_hf_dir
     from train.init_from.hf import hf_source
 
     path = random_bert_dir(tmp_path / "bert")
@@ -334,10 +412,7 @@ def test_the_main_job_exported_with_the_defaults_loads_in_the_docs_block_and_equ
     _train_cli("--config", str(ROOT / "configs/sentiment.yaml"), "--workdir", str(workdir), "train.steps=100",
                "train.eval_every=100", "checkpoint.every=100")
     _export(workdir)
-    done = _run_docs_block(workdir / "exported", tmp_path)
-    assert done.returncode == 0, done.stderr
-    result = json.loads(done.stdout.split("RESULT ")[-1])
-    assert result["blocked_loaded"] == []
+    result = _result(_run_docs_block(workdir / "exported", tmp_path))
     capsys.readouterr()
     assert main(["predict", "--workdir", str(workdir), "--json", *TEXTS]) == 0
     predicted = [json.loads(line) for line in capsys.readouterr().out.splitlines()]

@@ -58,3 +58,29 @@ def test_bad_requests_are_one_line_errors(trained, tmp_path):
         trained.evaluate("dev")
     with pytest.raises(CheckpointError, match="does not exist"):
         TrainedRun.load(tmp_path / "missing")
+
+
+class _WhitespaceGivesTokens:
+    """The run's id tokenizer, except that a text of spaces gives tokens, as the byte and BPE tokenizers' do."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def encode(self, text: str) -> list[int]:
+        return self.inner.encode(text) or [self.inner.offset + 1] * len(text)
+
+
+def test_blank_text_is_refused_as_empty_text_is(trained):
+    blank = ["   ", "\t\n", "\u3000"]
+    run = TrainedRun(trained.workdir, trained.config, trained.params, _WhitespaceGivesTokens(trained.tokenizer),
+                     trained.label_names, trained.step)
+    assert all(len(run.tokenizer.encode(text)) > 0 for text in blank)
+    predictions = run.predict(["3 4", *blank, ""], strict=False)
+    assert predictions[0].error is None and predictions[0].label in trained.label_names
+    assert [p.error for p in predictions[1:]] == ["empty text"] * 4
+    assert all(p.label == "" and p.probabilities == {} for p in predictions[1:])
+    with pytest.raises(DataError, match="text 2 is empty or only whitespace"):
+        run.predict(["3 4", "   "])

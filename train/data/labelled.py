@@ -267,13 +267,14 @@ def eval_batches(
 
 
 def encode_texts(tokenizer: Tokenizer, texts: list[str], max_len: int, buckets: list[int]) -> Batch:
-    """Tokenize free text for `predict`: one row per text, truncated to max_len, labels -1."""
+    """Tokenize free text for `predict`: one row per text, truncated to max_len, labels -1. A text that is
+    empty, only whitespace or gives no tokens is a DataError."""
     if not texts:
         raise DataError("no text to classify: pass one or more texts")
     rows = [np.asarray(truncate(tokenizer, tokenizer.encode(t), max_len), np.int32) for t in texts]
-    empty = [i for i, r in enumerate(rows) if len(r) == 0]
+    empty = [i for i, (t, r) in enumerate(zip(texts, rows, strict=True)) if len(r) == 0 or not t.strip()]
     if empty:
-        raise DataError(f"text {empty[0] + 1} is empty: pass non-empty text")
+        raise DataError(f"text {empty[0] + 1} is empty or only whitespace: pass a text to classify")
     tokens, valid = pad_rows(rows, bucket_length(max(len(r) for r in rows), buckets), tokenizer.pad_id)
     return {"tokens": tokens, "valid_tokens": valid, "labels": np.full(len(texts), -1, np.int32)}
 

@@ -1,2 +1,3 @@
-"""Serving an export: `artifact.py` loads one (jax, numpy and tokenizers only), `batcher.py` batches
-concurrent requests into compiled shapes, `server.py` is the JSON HTTP layer (`python -m train serve`)."""
+"""Serving an export: `artifact.py` loads one (no model code), `batcher.py` batches
+concurrent requests into compiled shapes, `service.py` is the JSON HTTP layer and `server.py` the command
+(`python -m train serve`)."""

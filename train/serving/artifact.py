@@ -1,4 +1,4 @@
-"""An export of `python -m train export` loaded for serving, with no model code: jax, numpy and tokenizers.
+"""An export of `python -m train export` loaded for serving, no model code: jax, flatbuffers, numpy, tokenizers.
 
     artifact = Artifact.load("runs/sentiment/exported")   # checksums checked: a damaged file is refused
     rows, truncated = artifact.encode(["a gripping film"])   # token ids per text, truncated to max_len

@@ -22,6 +22,7 @@ import collections
 import concurrent.futures
 import itertools
 import os
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -94,15 +95,20 @@ class Batcher:
     def shapes(self) -> list[tuple[int, int]]:
         return [(b, n) for n in self.lengths for b in self.batch_sizes]
 
-    def warm(self, say: Callable[[str], None] | None = None, threads: int | None = None) -> float:
+    def warm(self, say: Callable[[str], None] | None = None, threads: int | None = None,
+             stop: threading.Event | None = None) -> float:
         """Compile every shape (on `threads` threads, default one per core), then time each one (the
         better of two runs, one shape at a time): the costs the batches are chosen by. Returns the seconds
-        it took. Blocking: call it in a thread."""
+        it took. Blocking: call it in a thread. Once `stop` is set (a signal), no shape is begun: it returns
+        when the compiles in progress end."""
         started = time.perf_counter()
         shapes = self.shapes()
         done = 0
+        halted = stop.is_set if stop is not None else lambda: False
 
         def one(shape: tuple[int, int]) -> float:
+            if halted():
+                return 0.0
             tokens = np.full(shape, self.pad_id, np.int32)
             mask = np.zeros(shape, np.int32)
             mask[:, 0] = 1
@@ -113,9 +119,11 @@ class Batcher:
         with concurrent.futures.ThreadPoolExecutor(threads or os.cpu_count() or 1) as pool:
             for _ in pool.map(one, shapes):
                 done += 1
-                if say is not None and done % max(1, len(shapes) // 4) == 0 and done < len(shapes):
+                if say is not None and done % max(1, len(shapes) // 4) == 0 and done < len(shapes) and not halted():
                     say(f"compiled {done}/{len(shapes)} shapes ({time.perf_counter() - started:.0f}s)")
         for shape in shapes:
+            if halted():
+                break
             self.costs[shape] = min(one(shape), one(shape))
         return time.perf_counter() - started
 

@@ -8,19 +8,15 @@ Endpoints (docs/serving.md): POST /predict {"texts": [...]} -> {"predictions": [
 "probabilities", "truncated"}]}; POST /embed {"texts": [...]} -> {"embeddings": [[...]], "truncated": [...]};
 GET /health -> the model, the queue, the batching counters and the request counts.
 
-The HTTP layer is aiohttp: one asyncio library that brings the server and the client the load bench and the
-tests use, with the body-size limit (client_max_size) and a runner whose listening socket can be closed
-while requests in flight finish, which the drain needs. Requests are checked before anything is queued: a
-body over --max-body-bytes, bad JSON, a missing or empty "texts" list, a text that is not a string or not
-valid Unicode, more than --max-texts texts or more than --max-chars characters in one, a text with no
-tokens, an unknown path or method: each is a 4xx with a one-line JSON body {"error": "..."}. A full
-queue is a 503 with Retry-After. Nothing a client sends reaches the model unchecked; an unexpected
-failure is a 500 with one line, and the server goes on.
+The HTTP layer (train/serving/service.py) checks every request before anything is queued.
 
 SIGTERM or Ctrl-C: the listening socket closes, a request that still arrives on an open connection is
 refused with a 503 ("shutting down"), every accepted request is answered, then the process prints one
-line with the request counts and exits 0 (a second signal exits 130 at once). It binds to 127.0.0.1
-unless --host says otherwise.
+line with the request counts and exits 0 (a second signal exits 130 at once). During the warm-up, it
+stops once the compiles in progress end, as any command interrupted during start-up (one line, exit 130).
+
+It binds to 127.0.0.1 unless --host says otherwise, before the warm-up (a port in use is refused at
+once), and accepts connections once every shape is compiled.
 """
 
 from __future__ import annotations
@@ -28,66 +24,21 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
+import os
 import signal
 import sys
 import tempfile
-import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+import threading
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
 from train.errors import ConfigError, UsageError
-from train.serving.batcher import Batcher, ClosedError, QueueFullError, powers_of_two
-
-ENDPOINTS = ("/predict", "/embed")
-
-
-class RequestError(Exception):
-    """A request the server refuses: its HTTP status and one line."""
-
-    def __init__(self, status: int, message: str):
-        super().__init__(message)
-        self.status = status
-
-
-@dataclass(frozen=True)
-class Limits:
-    max_texts: int = 64
-    max_chars: int = 2000
-    max_body_bytes: int = 1 << 20
-    body_timeout_s: float = 30.0
-
-
-@dataclass
-class Counts:
-    """API requests (predict and embed): accepted = answered + refused + gone + in flight."""
-
-    accepted: int = 0
-    answered: int = 0  # 200
-    refused: int = 0  # a 4xx or 5xx with its one line
-    gone: int = 0  # the client left before its answer was written
-    by_status: dict[int, int] = field(default_factory=dict)  # of the answered and refused
-
-    @property
-    def in_flight(self) -> int:
-        return self.accepted - self.answered - self.refused - self.gone
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"accepted": self.accepted, "answered": self.answered, "refused": self.refused, "gone": self.gone,
-                "in_flight": self.in_flight, "by_status": {str(k): v for k, v in sorted(self.by_status.items())}}
-
-
-class Engine(Protocol):
-    """What the HTTP layer serves: a model that answers whole requests."""
-
-    def describe(self) -> dict[str, Any]: ...
-    def offers(self, endpoint: str) -> str | None: ...  # None, or why this model has no such endpoint
-    async def answer(self, endpoint: str, texts: list[str]) -> dict[str, Any]: ...
-    async def drain(self) -> None: ...
+from train.interrupts import INTERRUPTED_EXIT, SIGNALS, Interrupted
+from train.serving.batcher import Batcher, powers_of_two
+from train.serving.service import Engine, Limits, RequestError, Service
 
 
 class ArtifactEngine:
@@ -129,197 +80,80 @@ class ArtifactEngine:
         await self.batcher.drain()
 
 
-# --- the HTTP layer -----------------------------------------------------------------------------
-
-
-def _error(status: int, message: str, **headers: str) -> Any:
-    from aiohttp import web
-
-    return web.Response(status=status, text=json.dumps({"error": message}) + "\n", content_type="application/json",
-                        headers=headers)
-
-
-def _texts(body: bytes, limits: Limits) -> list[str]:
-    """The request's texts, or a RequestError naming what is wrong."""
-    try:
-        payload = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError, ValueError) as err:
-        raise RequestError(400, f"the body is not JSON ({err.__class__.__name__}): send "
-                                '{"texts": ["a text", ...]}') from None
-    if not isinstance(payload, dict) or "texts" not in payload:
-        raise RequestError(400, 'the body has no "texts": send {"texts": ["a text", ...]}')
-    texts = payload["texts"]
-    if not isinstance(texts, list) or not texts:
-        raise RequestError(400, '"texts" must be a non-empty list of strings')
-    if len(texts) > limits.max_texts:
-        raise RequestError(413, f'"texts" has {len(texts)} texts, over the limit of {limits.max_texts} a request: '
-                                "split it")
-    for i, text in enumerate(texts):
-        if not isinstance(text, str):
-            raise RequestError(400, f"texts[{i}] is a {type(text).__name__}, not a string")
-        if len(text) > limits.max_chars:
-            raise RequestError(413, f"texts[{i}] has {len(text)} characters, over the limit of {limits.max_chars}")
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError:
-            raise RequestError(400, f"texts[{i}] is not valid Unicode (a lone surrogate)") from None
-    return texts
-
-
-class Service:
-    """The aiohttp application around an engine, its limits, counters and drain state."""
-
-    def __init__(self, engine: Engine, limits: Limits, say: Callable[[str], None] | None = None):
-        self.engine, self.limits = engine, limits
-        self.counts = Counts()
-        self.draining = False
-        self.started = time.time()
-        self.say = say or (lambda line: print(line, file=sys.stderr, flush=True))
-
-    def app(self) -> Any:
-        from aiohttp import web
-
-        app = web.Application(middlewares=[self._guard], client_max_size=self.limits.max_body_bytes)
-        app.router.add_get("/health", self._health)
-        app.router.add_post("/predict", self._api)
-        app.router.add_post("/embed", self._api)
-        return app
-
-    async def _health(self, request: Any) -> Any:
-        from aiohttp import web
-
-        body = {"status": "draining" if self.draining else "ok", "uptime_s": round(time.time() - self.started, 1),
-                "requests": self.counts.as_dict(), **self.engine.describe()}
-        return web.json_response(body, status=503 if self.draining else 200, dumps=lambda x: json.dumps(x) + "\n")
-
-    async def _api(self, request: Any) -> Any:
-        from aiohttp import web
-
-        why = self.engine.offers(request.path)
-        if why is not None:
-            raise RequestError(404, why)
-        if request.content_length is not None and request.content_length > self.limits.max_body_bytes:
-            raise RequestError(413, f"the body has {request.content_length} bytes, over the limit of "
-                                    f"{self.limits.max_body_bytes} bytes")
-        try:
-            async with asyncio.timeout(self.limits.body_timeout_s):
-                body = await request.read()
-        except TimeoutError:
-            raise RequestError(408, f"the body did not arrive within {self.limits.body_timeout_s:.0f}s") from None
-        texts = _texts(body, self.limits)
-        try:
-            result = await self.engine.answer(request.path, texts)
-        except QueueFullError:
-            raise RequestError(503, "the queue is full: retry in a moment") from None
-        except ClosedError:
-            raise RequestError(503, "the server is shutting down: retry on another instance") from None
-        return web.Response(text=json.dumps(result) + "\n", content_type="application/json")
-
-    @property
-    def _guard(self) -> Any:
-        from aiohttp import web
-
-        @web.middleware
-        async def guard(request: Any, handler: Any) -> Any:
-            api = request.path in ENDPOINTS and request.method == "POST"
-            if api:
-                self.counts.accepted += 1
-            try:
-                if api and self.draining:
-                    raise RequestError(503, "the server is shutting down: retry on another instance")
-                response = await handler(request)
-            except RequestError as err:
-                headers = {"Retry-After": "1"} if err.status == 503 else {}
-                if self.draining:
-                    headers["Connection"] = "close"
-                response = _error(err.status, str(err), **headers)
-            except web.HTTPException as err:  # aiohttp's own: unknown path, method, body over client_max_size
-                message = {404: f"no endpoint {request.path}: use POST /predict, POST /embed or GET /health",
-                           405: f"{request.method} is not allowed on {request.path}",
-                           413: f"the body is over the limit of {self.limits.max_body_bytes} bytes"}
-                response = _error(err.status, message.get(err.status, err.reason))
-            except ConnectionError:  # the client left while its body was arriving: nobody to answer
-                response = _error(400, "the connection closed before the request arrived")
-            except Exception as err:  # never the server's end: one line to the client and to the log
-                self.say(f"error: {request.method} {request.path}: {err.__class__.__name__}: {err}")
-                response = _error(500, f"internal error ({err.__class__.__name__}): the request was not served")
-            if api:
-                transport = request.transport
-                if transport is None or transport.is_closing():
-                    self.counts.gone += 1
-                    return response
-                if response.status < 400:
-                    self.counts.answered += 1
-                else:
-                    self.counts.refused += 1
-                self.counts.by_status[response.status] = self.counts.by_status.get(response.status, 0) + 1
-            return response
-
-        return guard
-
-
 async def run_server(engine: Engine, *, host: str, port: int, limits: Limits, drain_timeout_s: float = 60.0,
-                     on_ready: Callable[[str], None] | None = None, warm: Callable[[], Any] | None = None,
+                     on_ready: Callable[[str], None] | None = None,
+                     warm: Callable[[threading.Event], Awaitable[Any]] | None = None,
                      say: Callable[[str], None] | None = None) -> int:
-    """Serve until SIGTERM or SIGINT, drain, return the exit code (0; 130 on a second signal)."""
+    """Bind host:port (ConfigError at once when it is taken), warm, listen; serve until SIGTERM or SIGINT,
+    drain, return the exit code (0; 130 on a second signal). A signal during the warm-up sets the event
+    `warm` is given, and once `warm` returns raises Interrupted: the command's start-up was interrupted."""
     from aiohttp import web
 
     service = Service(engine, limits, say)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
-    signals = 0
+    halt_warm_up = threading.Event()
+    signals: list[str] = []
+    serving = False
+    previous = {sig: signal.getsignal(sig) for sig in SIGNALS}
 
     def on_signal(signum: int) -> None:
-        nonlocal signals
-        signals += 1
-        if signals > 1:
-            service.say(f"{signal.Signals(signum).name} again: stopping now, {service.counts.in_flight} requests "
-                        "unanswered")
+        signals.append(signal.Signals(signum).name)
+        if len(signals) > 1:
+            service.say(f"{signals[-1]} again: stopping now, " + (f"{service.counts.in_flight} requests unanswered"
+                                                                   if serving else "during the warm-up"))
             sys.stderr.flush()
-            import os
-
-            os._exit(130)
-        service.say(f"{signal.Signals(signum).name}: draining {service.counts.in_flight} requests in flight, "
+            os._exit(INTERRUPTED_EXIT)
+        if not serving:  # nothing to drain: the warm-up ends after the compiles in progress
+            halt_warm_up.set()
+            return
+        service.say(f"{signals[-1]}: draining {service.counts.in_flight} requests in flight, "
                     "refusing new ones (again to stop now)")
         stop.set()
 
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in SIGNALS:
         loop.add_signal_handler(sig, on_signal, sig)
     try:
-        if warm is not None:
-            await warm()
-            if stop.is_set():
-                return 0
         runner = web.AppRunner(service.app(), access_log=None, handle_signals=False,
                                shutdown_timeout=drain_timeout_s)
         await runner.setup()
-        site = web.TCPSite(runner, host, port, backlog=1024)
-        try:
-            await site.start()
+        assert runner.server is not None
+        try:  # bound now, listening once warm: a busy port is refused at once, not after the warm-up
+            listener = await loop.create_server(runner.server, host, port, backlog=1024, start_serving=False)
         except OSError as err:
             await runner.cleanup()
-            raise ConfigError(f"cannot listen on {host}:{port} ({err.strerror}): pass another --port or --host"
-                              ) from None
-        bound = runner.addresses[0][1] if runner.addresses else port
-        url = f"http://{host if ':' not in host else f'[{host}]'}:{bound}"
-        if on_ready is not None:
-            on_ready(url)
-        await stop.wait()
-        service.draining = True
-        await site.stop()  # no new connections; open ones get a 503 until they close
-        deadline = loop.time() + drain_timeout_s
-        while service.counts.in_flight > 0 and loop.time() < deadline:
-            await asyncio.sleep(0.01)
-        await engine.drain()
-        await runner.cleanup()
+            why = os.strerror(err.errno) if err.errno and err.errno > 0 else err.strerror or str(err)
+            raise ConfigError(f"cannot listen on {host}:{port} ({why}): pass another --port or --host") from None
+        try:
+            if warm is not None:
+                await warm(halt_warm_up)
+            if halt_warm_up.is_set():
+                raise Interrupted(signals[0])
+            serving = True  # with no await since the check: a signal from here on drains
+            await listener.start_serving()
+            url = f"http://{host if ':' not in host else f'[{host}]'}:{listener.sockets[0].getsockname()[1]}"
+            if on_ready is not None:
+                on_ready(url)
+            await stop.wait()
+            service.draining = True
+            listener.close()  # no new connections; open ones get a 503 until they close
+            deadline = loop.time() + drain_timeout_s
+            while service.counts.in_flight > 0 and loop.time() < deadline:
+                await asyncio.sleep(0.01)
+            await engine.drain()
+        finally:
+            listener.close()
+            await runner.cleanup()
         c = service.counts
         service.say(f"stopped: {c.accepted} requests accepted, {c.answered} answered, {c.refused} refused, {c.gone} "
                     f"clients gone before their answer, {c.in_flight} unanswered")
         return 0
     finally:
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in SIGNALS:
             with contextlib.suppress(Exception):
                 loop.remove_signal_handler(sig)
+            if previous[sig] is not None:  # the command's own policy (train/interrupts.py), as before the server
+                signal.signal(sig, previous[sig])
 
 
 # --- the command --------------------------------------------------------------------------------
@@ -354,7 +188,8 @@ def _parser() -> argparse.ArgumentParser:
     p = Parser(prog=f"{program()} serve", description="Serve an export (or a trained run) as a JSON HTTP API with "
                "dynamic batching: POST /predict, POST /embed, GET /health (docs/serving.md).")
     source = p.add_mutually_exclusive_group(required=True)
-    source.add_argument("--exported", help="a directory written by python -m train export")
+    source.add_argument("--exported", help="a directory written by python -m train export, or the run's workdir "
+                        "that holds it (WORKDIR/exported)")
     source.add_argument("--workdir", help="a trained run: exported for this machine's platform at start")
     p.add_argument("--step", type=int, help="with --workdir: the checkpoint (default: best if kept, else latest)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s, loopback only)")
@@ -381,13 +216,22 @@ def _platform() -> str:
 
 
 def load_engine(args: argparse.Namespace, scratch: Path) -> ArtifactEngine:
-    """The export --exported names, or --workdir's run exported into `scratch` for this platform."""
-    from train.serving.artifact import Artifact
+    """The export --exported names (or the one in the run's workdir it names), or --workdir's run exported
+    into `scratch` for this platform."""
+    from train import export
+    from train.serving.artifact import MANIFEST_FILE, Artifact
 
     directory = Path(args.exported) if args.exported else scratch / "exported"
-    if args.workdir:
-        from train import export
+    if args.exported and not (directory / MANIFEST_FILE).is_file():
+        from train.checkpoints.store import CONFIG_FILE
 
+        if (directory / export.DEFAULT_DIR / MANIFEST_FILE).is_file():
+            directory = directory / export.DEFAULT_DIR  # a run's workdir: the export `export --workdir` wrote there
+        elif (directory / CONFIG_FILE).is_file():
+            raise ConfigError(f"--exported {directory} is a run's workdir with no export in it: serve it with "
+                              f"--workdir {directory} (exported at start), or run python -m train export "
+                              f"--workdir {directory} first")
+    if args.workdir:
         if not Path(args.workdir).is_dir():
             raise ConfigError(f"workdir {args.workdir} does not exist: pass the --workdir of a trained run")
         export.write_export(export.from_workdir(Path(args.workdir), args.step), directory, [_platform()])
@@ -420,13 +264,14 @@ def main(argv: list[str]) -> int:
         if args.host not in ("127.0.0.1", "localhost", "::1"):
             say(f"note: binding to {args.host}, not loopback: anyone who reaches this address can use the model")
 
-        async def warm() -> None:
+        async def warm(stop: threading.Event) -> None:
             shapes = batcher.shapes()
             say(f"compiling {len(shapes)} shapes ({len(batcher.batch_sizes)} batch sizes x lengths "
                 f"{','.join(map(str, batcher.lengths))}) ...")
-            seconds = await asyncio.get_running_loop().run_in_executor(None, batcher.warm, say)
-            say(f"compiled in {seconds:.0f}s")
-            batcher.start()
+            seconds = await asyncio.get_running_loop().run_in_executor(None, lambda: batcher.warm(say, stop=stop))
+            if not stop.is_set():
+                say(f"compiled in {seconds:.0f}s")
+                batcher.start()
 
         def ready(url: str) -> None:
             a = engine.artifact

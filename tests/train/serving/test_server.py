@@ -8,10 +8,13 @@ bench/serve_load.py, under `slow` below."""
 from __future__ import annotations
 
 import asyncio
+import errno
 import http.client
 import json
+import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -24,16 +27,19 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.conftest import free_port
 from train.serving.batcher import Batcher, ClosedError, QueueFullError
-from train.serving.server import ArtifactEngine, Limits, Service
+from train.serving.server import ArtifactEngine
+from train.serving.service import Limits, Service
 
 LENGTHS = [4, 8]
 SIZES = [1, 2, 4]
 
 
 class FakeArtifact:
-    """What ArtifactEngine reads of an export: a whitespace tokenizer (one id per word, up to 8) and a model
-    whose 'probabilities' are a function of each row's ids, so a row's answer shows which row it was."""
+    """What ArtifactEngine reads of an export: a whitespace tokenizer (one id per word, up to 8; a text of
+    spaces gives one id per space, as the byte and BPE tokenizers give tokens for it) and a model whose
+    'probabilities' are a function of each row's ids, so a row's answer shows which row it was."""
 
     kind, labels, max_len, outputs = "classifier", ["no", "yes"], 8, ["embeddings", "logits", "probabilities"]
     directory = Path("fake")
@@ -44,7 +50,7 @@ class FakeArtifact:
         self.shapes: list[tuple[int, int]] = []
 
     def encode(self, texts: list[str]) -> tuple[list[np.ndarray], list[bool]]:
-        rows = [np.asarray([min(len(w), 9) for w in t.split()][:8], np.int32) for t in texts]
+        rows = [np.asarray(([min(len(w), 9) for w in t.split()] or [1] * len(t))[:8], np.int32) for t in texts]
         return rows, [len(t.split()) > 8 for t in texts]
 
     def run(self, tokens: np.ndarray, mask: np.ndarray) -> dict[str, np.ndarray]:
@@ -149,6 +155,21 @@ def test_a_full_queue_refuses_at_once_and_a_drain_answers_what_it_accepted():
     assert all(len(r) == 2 for r in results) and sum(b for b, _ in shapes) >= 6
 
 
+def test_a_warm_up_told_to_stop_runs_no_shape_it_had_not_begun():
+    artifact = FakeArtifact()
+    stop = threading.Event()
+    run = artifact.run
+
+    def first_then_stop(tokens: np.ndarray, mask: np.ndarray) -> dict[str, np.ndarray]:
+        stop.set()  # as a signal during the first compile would
+        return run(tokens, mask)
+
+    artifact.run = first_then_stop  # type: ignore[method-assign]
+    batcher = _batcher(artifact)
+    batcher.warm(threads=1, stop=stop)
+    assert len(artifact.shapes) == 1 and batcher.costs == {}  # of 6 shapes to compile, then 12 timed runs
+
+
 # --- the HTTP layer -----------------------------------------------------------------------------
 
 
@@ -228,7 +249,9 @@ def test_predict_embed_and_health_answer_in_json(served):
     (("POST", "/predict", b'{"texts": ["a", 3]}'), 400, "texts[1] is a int"),
     (("POST", "/predict", b'{"texts": ["a", "b", "c", "d", "e"]}'), 413, "over the limit of 4"),
     (("POST", "/predict", json.dumps({"texts": ["x" * 51]}).encode()), 413, "51 characters"),
-    (("POST", "/predict", b'{"texts": ["   "]}'), 400, "has no tokens"),
+    (("POST", "/predict", b'{"texts": ["a", "   "]}'), 400, "texts[1] is empty or only whitespace"),
+    (("POST", "/embed", b'{"texts": ["\\t\\n "]}'), 400, "texts[0] is empty or only whitespace"),
+    (("POST", "/predict", b'{"texts": [""]}'), 400, "texts[0] is empty or only whitespace"),
     (("POST", "/predict", b'{"texts": ["\\ud800"]}'), 400, "lone surrogate"),
     (("POST", "/predict", b"[" * 5000 + b"]" * 5000), 413, "over the limit"),
     (("POST", "/predict", b'{"texts": ["' + b"a " * 1200 + b'"]}'), 413, "over the limit of 2000 bytes"),
@@ -282,6 +305,89 @@ def _start_server(args: list[str], env: dict[str, str] | None = None) -> tuple[s
     return proc, url
 
 
+def _serve_fake(monkeypatch, artifact: FakeArtifact, port: int, capsys) -> tuple[int, list[str], str]:
+    """`python -m train serve --port PORT` in this process, serving `artifact`: exit code, stderr lines, stdout."""
+    from train.__main__ import main
+    from train.serving import server
+
+    monkeypatch.setattr(server, "load_engine", lambda args, scratch: ArtifactEngine(artifact, _batcher(artifact)))
+    capsys.readouterr()
+    code = main(["serve", "--exported", "fake", "--port", str(port)])
+    captured = capsys.readouterr()
+    return code, captured.err.splitlines(), captured.out
+
+
+def test_a_busy_port_is_one_line_exit_2_before_any_shape_is_compiled(monkeypatch, capsys):
+    artifact = FakeArtifact()
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        code, err, out = _serve_fake(monkeypatch, artifact, port, capsys)
+    assert code == 2 and out == ""
+    assert err == [f"error: cannot listen on 127.0.0.1:{port} (Address already in use): pass another --port or --host"]
+    assert artifact.shapes == []
+
+
+def test_during_the_warm_up_the_port_is_held_and_a_signal_ends_serve_as_training_ends(monkeypatch, capsys):
+    """While the shapes compile, the port is bound (no other process can take it) but refuses connections
+    (nothing would answer them); SIGTERM then stops the warm-up with the line and exit code training gives
+    when interrupted during start-up, and nothing of the drain (no "draining", no "stopped:")."""
+    port = free_port()
+    artifact = FakeArtifact()
+    seen: list[str] = []
+    first = threading.Lock()  # the warm-up compiles on several threads: only the first call checks
+    run = artifact.run
+
+    def first_shape(tokens: np.ndarray, mask: np.ndarray) -> dict[str, np.ndarray]:
+        if first.acquire(blocking=False):
+            with socket.socket() as other:
+                try:
+                    other.bind(("127.0.0.1", port))
+                    seen.append("bound by another")
+                except OSError as err:
+                    seen.append(errno.errorcode[err.errno])
+            with socket.socket() as client:
+                seen.append(errno.errorcode[client.connect_ex(("127.0.0.1", port))])
+            os.kill(os.getpid(), signal.SIGTERM)
+        return run(tokens, mask)
+
+    artifact.run = first_shape  # type: ignore[method-assign]
+    code, err, out = _serve_fake(monkeypatch, artifact, port, capsys)
+    assert seen == ["EADDRINUSE", "ECONNREFUSED"]
+    assert code == 130 and out == "", err
+    assert err[-1] == ("interrupted during start-up: stopped; checkpoints already saved in the workdir are intact "
+                       "(rerun the same command to continue)")
+    assert not any(line.startswith(("compiled in", "SIGTERM", "stopped:")) for line in err), err
+
+
+def test_exported_may_name_the_workdir_that_holds_the_export(monkeypatch, tmp_path, capsys):
+    """`serve --exported runs/sentiment` serves runs/sentiment/exported, where `export --workdir` writes."""
+    from train.__main__ import main
+    from train.errors import CheckpointError
+    from train.serving.artifact import Artifact
+
+    loaded: list[Path] = []
+
+    def load(cls, directory):
+        loaded.append(Path(directory))
+        raise CheckpointError("loaded")  # what happens next is another test's
+
+    monkeypatch.setattr(Artifact, "load", classmethod(load))
+    (tmp_path / "exported").mkdir()
+    (tmp_path / "exported/manifest.json").write_text("{}")
+    for directory in (tmp_path, tmp_path / "exported"):
+        assert main(["serve", "--exported", str(directory)]) == 2
+    assert loaded == [tmp_path / "exported"] * 2
+    (tmp_path / "exported/manifest.json").unlink()
+    (tmp_path / "config.yaml").write_text("{}")  # a run's workdir, not exported
+    capsys.readouterr()
+    assert main(["serve", "--exported", str(tmp_path)]) == 2
+    assert capsys.readouterr().err == (f"error: --exported {tmp_path} is a run's workdir with no export in it: serve "
+                                       f"it with --workdir {tmp_path} (exported at start), or run python -m train "
+                                       f"export --workdir {tmp_path} first\n")
+
+
 @pytest.mark.slow
 def test_serve_a_run_then_sigterm_answers_every_accepted_request_and_exits_0(tmp_path):
     from tests.conftest import tiny_config
@@ -327,6 +433,46 @@ def test_serve_a_run_then_sigterm_answers_every_accepted_request_and_exits_0(tmp
     answered = sum(1 for r in results if r in (200, 503))
     assert accepted == 1 + answered, (stopped, results)  # every request a handler took was answered
     assert 200 in results, results
+
+
+@pytest.fixture(scope="module")
+def tiny_export(reference_run, tmp_path_factory) -> Path:
+    from train.__main__ import main
+
+    out = tmp_path_factory.mktemp("serve") / "exported"
+    assert main(["export", "--workdir", str(reference_run[0]), "--out", str(out), "--platforms", "cpu"]) == 0
+    return out
+
+
+@pytest.mark.slow
+def test_serve_on_a_busy_port_says_so_before_compiling(tiny_export):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        done = subprocess.run([sys.executable, "-m", "train", "serve", "--exported", str(tiny_export), "--port",
+                               str(port)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr == (f"error: cannot listen on 127.0.0.1:{port} (Address already in use): pass another "
+                           "--port or --host\n")
+
+
+@pytest.mark.slow
+def test_sigterm_during_the_warm_up_ends_serve_with_trainings_line_and_exit_130(tiny_export):
+    lengths = ",".join(str(n) for n in range(1, 17))  # x 7 batch sizes: 112 shapes, the signal comes at the first
+    proc = subprocess.Popen([sys.executable, "-m", "train", "serve", "--exported", str(tiny_export), "--port", "0",
+                             "--lengths", lengths, "--max-batch", "64"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    assert proc.stderr is not None
+    first = proc.stderr.readline()
+    assert first.startswith("compiling 112 shapes"), first
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=300)
+    lines = err.splitlines()
+    assert proc.returncode == 130 and out == "", err
+    assert lines[-1] == ("interrupted during start-up: stopped; checkpoints already saved in the workdir are intact "
+                         "(rerun the same command to continue)")
+    assert not any(line.startswith(("compiled in", "SIGTERM", "stopped:")) for line in lines), err
 
 
 @pytest.mark.parametrize("argv,words", [
