@@ -27,6 +27,9 @@ from jaxblock.wiring import WIRINGS
 
 # The values each block sows into "intermediates", in execution order for each placement.
 RECORDED_SITES = {placement: wiring.order for placement, wiring in WIRINGS.items()}
+# The logical axes of the residual stream [N, L, D] between blocks: a mesh splits rows and sequence, never D
+# (parameters' D axis is "embed"; activations' is "act_embed"). Outside a mesh and its rules, no constraint.
+TOKENS = ("batch", "length", "act_embed")
 
 
 class EncoderBlock(nn.Module):
@@ -67,6 +70,7 @@ class EncoderBlock(nn.Module):
         # Non-finite padded values become 0: attention and pooling keep padding out of real outputs, but a
         # NaN/Inf there would still reach every weight gradient (0 * NaN in the backward matmuls).
         x = _finite_padding(x, valid_tokens, cfg.compute_dtype)
+        x = nn.with_logical_constraint(x, TOKENS)
 
         def attn(h: jax.Array) -> jax.Array:
             if cfg.ablate == "attention":
@@ -94,7 +98,7 @@ class EncoderBlock(nn.Module):
             y = self._record("norm2", self.ffn_norm(self._record("after_ffn", u + ffn(u))))
 
         chex.assert_equal_shape([x, y])
-        return y
+        return nn.with_logical_constraint(y, TOKENS)
 
     def _record(self, name: str, value: jax.Array) -> jax.Array:
         """Sow `value` as the recorded site `name` and pass it on (the diagnostics read these sites)."""

@@ -73,6 +73,7 @@ class FeedForward(nn.Module):
             h = act(_dense("NLD,DF->NLF", x, *self.gate(), dt)) * h
         else:
             h = act(h)
+        h = nn.with_logical_constraint(h, ("batch", "length", "act_mlp"))
         h = self.hidden_dropout(h, deterministic=not train)
         return _dense("NLF,FD->NLD", h, *self.linear2(), dt)  # [N, L, D]
 

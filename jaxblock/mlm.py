@@ -85,6 +85,7 @@ class MaskedLM(nn.Module):
             chex.assert_rank(positions, 2)
             chex.assert_equal(positions.shape[0], tokens.shape[0])
             h = jnp.take_along_axis(h, positions[..., None].astype(jnp.int32), axis=1)  # [N, P, D]
+            h = nn.with_logical_constraint(h, ("batch", None, "act_embed"))
         dim = blk.model_dim
         if self.transform:
             h = nn.Dense(
@@ -115,6 +116,7 @@ class MaskedLM(nn.Module):
             (cfg.vocab_size,), blk.params_dtype,
         )
         logits = logits + jnp.asarray(bias).astype(jnp.float32)[None, None, :]
+        logits = nn.with_logical_constraint(logits, ("batch", None, "act_vocab"))
         chex.assert_type(logits, jnp.float32)
         return logits
 

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxblock import masks
-from jaxblock.block import EncoderBlock
+from jaxblock.block import TOKENS, EncoderBlock
 from jaxblock.config import EncoderConfig, StackConfig
 from jaxblock.ffn import gelu_exact
 from jaxblock.initializers import logical
@@ -162,7 +162,7 @@ class Encoder(nn.Module):
                 bias_init=logical(nn.initializers.zeros_init(), ("embed",)),
                 param_dtype=blk.params_dtype, dtype=jnp.float32, name="embed_proj",
             )(x)
-        x = x.astype(blk.compute_dtype)
+        x = nn.with_logical_constraint(x.astype(blk.compute_dtype), TOKENS)
         return EncoderStack(cfg, name="stack")(
             x, valid_tokens, attn_mask=attn_mask, segment_ids=segment_ids,
             positions=positions if blk.rope else None, train=train,

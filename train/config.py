@@ -157,8 +157,13 @@ class CheckpointConfig(_Section):
 # Outermost first: tensor varies fastest over the devices (the closest ones), context next.
 MESH_AXES = ("data", "fsdp", "context", "tensor")
 DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
-    ("batch", ("data", "fsdp")), ("length", "context"), ("vocab", "tensor"), ("embed", "fsdp"),
-    ("heads", "tensor"), ("kv_heads", "tensor"), ("mlp", "tensor"), ("head_dim", None), ("layers", None),
+    # parameters: FSDP splits their model axis, tensor parallelism heads, FFN width and vocabulary
+    ("vocab", "tensor"), ("embed", "fsdp"), ("heads", "tensor"), ("kv_heads", "tensor"), ("mlp", "tensor"),
+    ("head_dim", None), ("layers", None),
+    # activations: rows over data and fsdp, the sequence over context, heads and FFN width over tensor, the
+    # model axis whole (so FSDP gathers each weight where it is used instead of resharding activations)
+    ("batch", ("data", "fsdp")), ("length", "context"), ("act_heads", "tensor"), ("act_kv_heads", "tensor"),
+    ("act_mlp", "tensor"), ("act_vocab", "tensor"), ("act_embed", None),
 )
 
 

@@ -97,6 +97,9 @@ class SelfAttention(nn.Module):
         x = x.astype(dt)
 
         q, k, v = self._qkv(x)  # [N, L, H, K], [N, L, G, K], [N, L, G, K]
+        q = nn.with_logical_constraint(q, ("batch", "length", "act_heads", None))
+        k = nn.with_logical_constraint(k, ("batch", "length", "act_kv_heads", None))
+        v = nn.with_logical_constraint(v, ("batch", "length", "act_kv_heads", None))
         # Padded positions may hold anything (even NaN from an out-of-range pad id). Their keys are
         # masked, but weight 0 times a NaN value is NaN, so their values are cleared too.
         v = jnp.where(valid_tokens[:, :, None, None], v, jnp.zeros((), v.dtype))
@@ -147,7 +150,7 @@ class SelfAttention(nn.Module):
                 ctx = dense_attention(q, k, v, mask, seen, keep, cfg.attn_dropout)
             else:
                 ctx = fused_attention(q, k, v, mask, valid_tokens, impl, causal=cfg.causal, plain=not extra)
-        # ctx: [N, L, H, K]
+        ctx = nn.with_logical_constraint(ctx, ("batch", "length", "act_heads", None))  # [N, L, H, K]
         out_k, out_b = self.out()
         y = jnp.einsum("NLHK,HKD->NLD", ctx.astype(dt), out_k.astype(dt))
         if out_b is not None:

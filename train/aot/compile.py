@@ -175,7 +175,7 @@ def compile_run(resolved: shapes.Resolved, devices: list[Any], target: targets.T
             layers = check_layers(config, call, batch["tokens"].shape[1], "segment_ids" in batch, hlo)
         results.append(Compiled(call, text, True, None, seconds, _memory(executable), layers,
                                 programs.collectives(hlo), _flops(executable), programs.largest_buffers(hlo),
-                                executable if keep else None))
+                                executable=executable if keep else None))
     usable = targets.usable_bytes(target, devices[0])
     return Result(config_path, target, devices[0].device_kind, resolved.mesh_text(), resolved.layout,
                   describe_model(config, run.task.name), resolved.notes, usable,
