@@ -27,6 +27,9 @@ import gc
 from collections.abc import Coroutine
 from typing import Any
 
+# upstream: a private function of orbax-checkpoint 0.12.8 (pinned in pyproject.toml), which no public API
+# replaces: https://github.com/google/orbax/blob/main/checkpoint/orbax/checkpoint/_src/asyncio_utils.py
+# (no Orbax issue reports the leak; tests/train/checkpoints/test_upstream.py fails if the function changes).
 from orbax.checkpoint._src import asyncio_utils
 
 _ORIGINAL = getattr(asyncio_utils, "_run_sync_via_new_loop", None)

@@ -293,6 +293,9 @@ def _release_iterator(holder: list[Any]) -> None:
 def _wait_for_shared_memory_release() -> None:
     """Grain unlinks a released shared-memory segment in a one-thread pool (asynchronously); the pool runs
     its tasks in order, so an empty task returning means every earlier release is done."""
+    # upstream: https://github.com/google/grain/issues/398 (shared memory released at shutdown, with errors);
+    # a private class of grain 0.2.18, pinned in pyproject.toml; tests/train/checkpoints/test_upstream.py
+    # fails if it moves.
     from grain._src.python.ipc.shared_memory_array import SharedMemoryArray
 
     pool = getattr(SharedMemoryArray, "_del_thread_pool", None)
