@@ -10,9 +10,8 @@ options, packing (bench/options.py), length, width, depth, compile (bench/costs.
 (bench/stream.py), context (bench/context_parallel.py: context parallelism's memory per device, longest L
 and step time on 8 simulated CPU devices, in a child process). Prints a table and writes JSON
 ({"meta": ..., "records": [...]}, one record per measurement: section, name, config, median/min/max
-seconds, reps, metrics) and, with every table, the CPU model and the XLA option set in effect
-(jaxblock/xla_options.py; JAXBLOCK_XLA_OPTIONS=off for XLA's defaults; your own XLA_FLAGS win flag by
-flag). Timings are medians of --reps calls after --warmup calls, variants interleaved. PyTorch and XLA
+seconds, reps, metrics) and, with every table, the CPU model and the XLA_FLAGS in effect (XLA's defaults
+unless you set some). Timings are medians of --reps calls after --warmup calls, variants interleaved. PyTorch and XLA
 use the same number of threads (--threads, default: every core this process may run on) and the same
 malloc: glibc's defaults, or with --malloc keep a heap that keeps what is freed (no page faults a step for
 either library; train/host_memory.py). Exit codes: 0 success, 2 bad usage (one line on stderr).
@@ -92,10 +91,6 @@ def main(argv: list[str] | None = None) -> int:
 
         if not keep_freed_blocks():  # before JAX and PyTorch start their threads
             return _usage_error("--malloc keep needs glibc's malloc on Linux: leave --malloc out")
-    from jaxblock import xla_options
-
-    machine = xla_options.apply()  # before JAX starts its backend: this CPU kind's options, the user's win
-
     import jax
 
     from bench.context import Context, torch_device
@@ -121,10 +116,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     run = _sections(bert_dir)
     meta = _meta(ctx, argv if argv is not None else sys.argv[1:])
+    from bench.machine import cpu_model, describe
     from train.host_memory import status as malloc_status
 
-    described = f"{machine.describe()}; {malloc_status()}"
-    meta |= {"cpu": machine.cpu, "cpu_kind": machine.kind, "xla_options": machine.as_dict(), "malloc": malloc_status()}
+    described = f"{describe()}; {malloc_status()}"
+    meta |= {"cpu": cpu_model(), "malloc": malloc_status()}
     ctx.log(f"machine: {described}")
     records = []
     for name in [s for s in SECTIONS if s in chosen]:

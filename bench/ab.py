@@ -11,9 +11,9 @@ Each change is measured against its own absence in the same run, so the ratio ho
   clipping) with `optim.freeze: [embedding]`, as configs/sentiment_pretrained.yaml trains it, against the
   same step training the [30522, 384] token table. Both compiled in this process, timed A, B, A, B.
 - huge_pages: the same step and the N8 L256 D512 Pre-LN training step of `python -m bench`, each in its own
-  process, alternately with transparent huge pages for malloc's large blocks (the default of `python -m
-  train` and the bench commands: train/host_memory.py) and with `JAXBLOCK_HUGE_PAGES=off` (glibc's
-  defaults); malloc's setting is fixed when a process starts, hence processes, not calls.
+  process, alternately with transparent huge pages for malloc's large blocks (`JAXBLOCK_HUGE_PAGES=on`,
+  train/host_memory.py) and with glibc's defaults; malloc's setting is fixed when a process starts, hence
+  processes, not calls.
 
 The model is randomly initialised at MiniLM's shape (the speed does not depend on the weights' values).
 Prints one table with both medians and after/before (>1: the change is faster), the CPU model and the
@@ -76,10 +76,9 @@ def huge_pages(reps: int, rounds: int) -> list[tuple[str, float, float]]:
     times: dict[str, dict[str, list[float]]] = {"bert": {"before": [], "after": []},
                                                 "d512": {"before": [], "after": []}}
     for _ in range(rounds):
-        for when, switch in (("before", "off"), ("after", "")):
+        for when, switch in (("before", "off"), ("after", "on")):
             env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", "JAXBLOCK_HUGE_PAGES")}
-            if switch:
-                env["JAXBLOCK_HUGE_PAGES"] = switch
+            env["JAXBLOCK_HUGE_PAGES"] = switch
             out = subprocess.run([sys.executable, "-m", "bench.ab", "--child", "--reps", str(reps)], env=env,
                                  check=True, capture_output=True, text=True).stdout
             child = json.loads(out.strip().splitlines()[-1])
@@ -123,11 +122,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"python -m bench.ab: unknown change {', '.join(unknown) or '(none)'}: choose from "
               f"{', '.join(CHANGES)}", file=sys.stderr)
         return 2
-    from jaxblock import xla_options
+    from bench.machine import describe
     from train.host_memory import status
 
-    cpu = xla_options.read_cpu()
-    print(f"machine: {cpu.model} [{cpu.kind}], {os.cpu_count()} cores; {status()}; load average "
+    print(f"machine: {describe()}; {status()}; load average "
           f"{os.getloadavg()[0]:.2f} at the start", flush=True)
     rows = []
     try:
@@ -146,9 +144,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    if "--child" not in sys.argv:  # the parent keeps glibc's defaults; each child chooses for itself
-        os.environ.setdefault("JAXBLOCK_HUGE_PAGES", "off")
-    else:
+    if "--child" in sys.argv:  # each child chooses for itself (JAXBLOCK_HUGE_PAGES, set by huge_pages)
         from train.host_memory import reexec_with_huge_pages
 
         reexec_with_huge_pages()

@@ -5,21 +5,19 @@
     python -m bench.cpu_report --out record.md      # somewhere else
     python -m bench.cpu_report --quick              # tiny shapes: a smoke run of a minute or two
 
-It runs, one after the other, each in its own process (so each starts XLA with this machine's option set):
+It runs, one after the other, each in its own process:
 
     python -m bench --only peak,train,infer,bert,options --no-torch-compile   # ours vs PyTorch, the options
     python -m bench --only bert --malloc keep --no-torch-compile              # BERT again, no page faults
-    python -m bench.tune_xla --dry-run                                        # the XLA candidates (nothing saved)
     python -m bench.profile --shape 1                                         # where the D=512 step's time goes
     python -m bench.profile --bert                                            # the same for the BERT step
     python -m bench.ab                                                        # each change vs its absence
 
-and writes the machine (`lscpu`'s model name, cores, the vector and matrix ISA flags, the XLA option set),
+and writes the machine (`lscpu`'s model name, cores, the vector and matrix ISA flags, XLA_FLAGS),
 the versions (Python, jax, jaxlib, flax, torch, transformers, the git commit and whether the tree was
 clean), the load average before and after each command, and each command's whole output with its wall
 time and exit status. A command that fails is recorded with its output and the others still run. Its
-progress streams to stderr as it runs. The record is what docs/performance-cpu.md reads a machine from;
-the Intel Xeon's (2026-12-02) was the model for its layout.
+progress streams to stderr as it runs. Records go to bench/records/.
 Exit codes: 0 every command succeeded, 1 one or more failed (the record says which), 2 bad usage,
 130 interrupted (the record so far is written).
 """
@@ -68,7 +66,6 @@ def commands(quick: bool) -> list[tuple[str, list[str]]]:
          ["-m", "bench", "--only", "peak,train,infer,bert,options", "--no-torch-compile", *q]),
         ("the BERT step against transformers again, glibc keeping what the process frees: neither side "
          "page-faults", ["-m", "bench", "--only", "bert", "--malloc", "keep", "--no-torch-compile", *q]),
-        ("XLA's CPU options measured on this machine (nothing saved)", ["-m", "bench.tune_xla", "--dry-run", *q]),
         ("where the Pre-LN training step's time goes" + ("" if quick else " at N8 L256 D512")
          + " (the trace slows the step)", ["-m", "bench.profile", "--shape", "1", *q]),
         ("where the BERT fine-tuning step's time goes", ["-m", "bench.profile", "--bert", *q]),
@@ -90,9 +87,12 @@ def lscpu() -> dict[str, str]:
             if sep:
                 fields.setdefault(key.strip(), value.strip())
     if "Flags" not in fields:
-        from jaxblock.xla_options import read_cpu
-
-        fields["Flags"] = " ".join(sorted(read_cpu().flags))
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            cpuinfo = ""
+        flags = next((line.partition(":")[2] for line in cpuinfo.splitlines() if line.startswith("flags")), "")
+        fields["Flags"] = " ".join(sorted(flags.split()))
     return fields
 
 
@@ -183,7 +183,7 @@ def render(cpu: dict[str, str], vers: dict[str, str], git: str, xla: str, outcom
         + (f"; hypervisor {cpu['Hypervisor vendor']}" if "Hypervisor vendor" in cpu else "")
         + f"; flags include {', '.join(isa) if isa else 'none of ' + ', '.join(ISA_FLAGS[:4])}.",
         f"Versions: {', '.join(f'{k} {v}' for k, v in vers.items())}.",
-        f"XLA option set (jaxblock/xla_options.py): {xla}." + (f" {malloc[0].upper()}{malloc[1:]}." if malloc else ""),
+        f"XLA_FLAGS: {xla}." + (f" {malloc[0].upper()}{malloc[1:]}." if malloc else ""),
         f"Written by `python -m bench.cpu_report{' --quick' if quick else ''}`: each block is one run of the named "
         f"command, one after the other; the load average (1, 5, 15 min) at the start was "
         f"{', '.join(f'{x:.2f}' for x in load)}. Absolute times move from run to run and with the machine's "
@@ -223,9 +223,9 @@ def main(argv: list[str] | None = None) -> int:
     cpu = lscpu()
     today = datetime.date.today()
     if "Model name" not in cpu:
-        from jaxblock.xla_options import read_cpu
+        from bench.machine import cpu_model
 
-        cpu["Model name"] = read_cpu().model
+        cpu["Model name"] = cpu_model()
     out: Path = args.out or default_out(cpu["Model name"], today)
     if out.exists() and out.is_dir():
         print(f"python -m bench.cpu_report: --out {out} is a directory: pass a file name such as "
@@ -244,15 +244,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"python -m bench.cpu_report: cannot write {out} ({err.strerror or err}): pass a writable --out",
               file=sys.stderr)
         return 2
-    from jaxblock import xla_options
-
-    xla = xla_options.apply(env={k: v for k, v in os.environ.items()}).describe()
+    xla = os.environ.get("XLA_FLAGS") or "XLA's defaults"
     from train import host_memory
 
-    malloc = ("malloc: transparent huge pages for the commands that run only JAX (glibc.malloc.hugetlb=1, "
-              "train/host_memory.py); glibc's defaults for `python -m bench`, which times PyTorch in the same "
-              "process" if host_memory.wanted() else host_memory.status())
-    malloc += ", except its second BERT run: glibc keeping what is freed (`--malloc keep`)"
+    malloc = host_memory.status() + ", except the second BERT run: glibc keeping what is freed (`--malloc keep`)"
     vers, git = versions(), git_state()
     outcomes: list[Outcome] = []
     complete = True

@@ -2,14 +2,7 @@
 
 options  the training step at the first benchmark shape (Pre-LN) with one option changed at a time:
          fused QKV off, attention kernel (XLA's, unfused, chunked; a CPU's default is dense), scan over layers,
-         remat (full, dots), bf16 compute (float32 params; float32 softmax and norm statistics), no buffer donation,
-         and the block without `settle_gradient` (jaxblock/cpu_residual_gradient.py: the residual gradient stored once
-         per residual point instead of re-derived by each consumer fusion; swapped for an identity here),
-         the projections without `cpu_weight_gradient` (jaxblock/cpu_weight_gradient.py: each weight gradient
-         transposes the smaller of its two operands; here XLA chooses),
-         and the XLA CPU compiler options of XLA_CANDIDATES (each on top of the run's own set, one at a
-         time; those the installed jaxlib does not know are left out): how to choose a new CPU kind's row
-         of jaxblock/xla_options.py OPTIONS.
+         remat (full, dots), bf16 compute (float32 params; float32 softmax and norm statistics), no buffer donation.
          Remat on unrolled layers recomputes but saves no memory on XLA's CPU backend (its scheduler
          runs the recomputation early), so remat is measured with scan too.
          `speedup` = default median / variant median (> 1: the option is faster).
@@ -33,31 +26,8 @@ from flax.training.train_state import TrainState
 from bench.context import Context
 from bench.measure import Record, compiled_memory, peak_rss, time_interleaved
 from bench.workloads import OursTrain, init_params, make_inputs, stack_config
-from jaxblock import cpu_residual_gradient as settle_gradient
-from jaxblock import cpu_weight_gradient, xla_options
 
 ROOT = Path(__file__).resolve().parent.parent
-_TYPES = "LIBRARY_FUSION_TYPE_"
-# name -> XLA compiler options (the typed spelling compile() takes; the XLA_FLAGS spelling is in the name).
-XLA_CANDIDATES: dict[str, dict[str, Any]] = {
-    f"xla {xla_options.YNN_FUSION}=": {xla_options.YNN_FUSION: ""},
-    f"xla {xla_options.YNN_FUSION}=dot,eltwise,reduce": {
-        xla_options.YNN_FUSION: f"{_TYPES}DOT,{_TYPES}ELTWISE,{_TYPES}REDUCE"},
-    f"xla {xla_options.GRAPH_FUSION}=GREEDY": {xla_options.GRAPH_FUSION: xla_options.GREEDY},
-}
-_FLAG_SPELLING = {xla_options.YNN_FUSION: {"": "", f"{_TYPES}DOT,{_TYPES}ELTWISE,{_TYPES}REDUCE": "dot,eltwise,reduce"}}
-
-
-def flag_spelling(compiler_options: dict[str, Any]) -> dict[str, str]:
-    """A candidate's options as XLA_FLAGS spells them (what jaxblock.xla_options applies)."""
-    return {k: _FLAG_SPELLING.get(k, {}).get(v, v) for k, v in compiler_options.items()}
-
-
-def usable_candidates() -> tuple[dict[str, dict[str, Any]], list[str]]:
-    """(the XLA_CANDIDATES the installed jaxlib knows, by name; the names of those it does not)."""
-    usable = {name: opts for name, opts in XLA_CANDIDATES.items()
-              if all(xla_options.known(flag_spelling(opts)).values())}
-    return usable, [name for name in XLA_CANDIDATES if name not in usable]
 
 
 def options(ctx: Context) -> list[Record]:
@@ -75,8 +45,6 @@ def options(ctx: Context) -> list[Record]:
         "scan + remat dots": ({"scan": True, "remat": "dots"}, True),
         f"{other_dtype} compute": ({"dtype": other_dtype}, True),
         "no donation": ({}, False),
-        "no settle_gradient": ({"settle": False}, True),
-        "XLA's weight-gradient layout": ({"weight_gradient": False}, True),
     }
     x, valid = make_inputs(shape)
     params = init_params(stack_config(shape), shape)
@@ -84,23 +52,11 @@ def options(ctx: Context) -> list[Record]:
     configs: dict[str, dict[str, Any]] = {}
     for name, (opts, donate) in variants.items():
         opts = {"dtype": ctx.dtype, **opts}
-        scan, remat, settle = opts.pop("scan", False), opts.pop("remat", "none"), opts.pop("settle", True)
-        weight_gradient = opts.pop("weight_gradient", True)
+        scan, remat = opts.pop("scan", False), opts.pop("remat", "none")
         cfg = stack_config(shape, scan=scan, remat=remat, **opts)
         ctx.log(f"options {name}: compiling")
-        with settle_gradient.forced(settle), cpu_weight_gradient.forced(weight_gradient):
-            steps[name] = OursTrain(cfg, params, x, valid, donate=donate)
-        configs[name] = {**shape.as_dict(), "scan": scan, "remat": remat, "donate": donate,
-                         "settle_gradient": settle, "cpu_weight_gradient": weight_gradient, **opts}
-    usable, unknown = usable_candidates()
-    for name in unknown:
-        ctx.log(f"options {name}: unknown to this jaxlib, left out")
-    for name, compiler_options in usable.items():
-        spelled = flag_spelling(compiler_options)
-        ctx.log(f"options {name}: compiling")
-        cfg = stack_config(shape, dtype=ctx.dtype)
-        steps[name] = OursTrain(cfg, params, x, valid, compiler_options=compiler_options)
-        configs[name] = {**shape.as_dict(), "xla_options": spelled}
+        steps[name] = OursTrain(cfg, params, x, valid, donate=donate)
+        configs[name] = {**shape.as_dict(), "scan": scan, "remat": remat, "donate": donate, **opts}
     with peak_rss():
         times = time_interleaved(dict(steps), reps=ctx.reps, warmup=ctx.warmup)
     base = float(np.median(times["default"]))

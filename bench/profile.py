@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 
-if __name__ == "__main__":  # huge pages for XLA's per-step buffers (train/host_memory.py), before jax loads
+if __name__ == "__main__":  # JAXBLOCK_HUGE_PAGES=on: huge pages for XLA's buffers (train/host_memory.py)
     from train.host_memory import reexec_with_huge_pages
 
     reexec_with_huge_pages()
@@ -42,7 +42,6 @@ import jax
 from bench.context import CPU_SHAPES, QUICK_SHAPES
 from bench.flops import train_flops
 from bench.workloads import OursTrain, Shape, init_params, make_inputs, stack_config
-from jaxblock import xla_options
 
 _INSTR = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = ")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
@@ -116,7 +115,6 @@ def main(argv: list[str] | None = None) -> int:
         args = p.parse_args(argv)
     except SystemExit as exit_:
         return 0 if exit_.code == 0 else 2
-    xla_options.apply()  # this CPU kind's option set (as python -m bench and python -m train), before XLA starts
     if args.bert:
         return _bert(args.quick)
     base = QUICK_SHAPES[0] if args.quick else CPU_SHAPES[args.shape]
@@ -153,9 +151,10 @@ def _bert(quick: bool = False) -> int:
 def _report(step: Any, flops: int, title: str) -> None:
     groups, top = profile_step(step)
     wall = groups.pop("step (wall)")
+    from bench.machine import describe
     from train.host_memory import status as malloc_status
 
-    print(f"machine: {xla_options.current().describe()}; {malloc_status()}")
+    print(f"machine: {describe()}; {malloc_status()}")
     print(f"{title}: step {wall:,.1f} ms, {flops / wall / 1e6:,.1f} GFLOP/s overall")
     busy = sum(groups.values())
     for kind, ms in sorted(groups.items(), key=lambda kv: -kv[1]):

@@ -34,11 +34,8 @@ def summarize(data: dict[str, Any]) -> str:
     out = [f"`{meta['command'].strip()}` on {meta['processor']} ({meta['device']}), {meta['threads']} threads, "
            f"jax {meta['jax']}, torch {meta['torch']}; load average {meta['loadavg_start'][0]:.1f} at start, "
            f"{meta.get('loadavg_end', [0])[0]:.1f} at end. Medians of {meta['reps']} timed calls.", ""]
-    options = meta.get("xla_options") or {}
-    flags = " ".join(f"--{k}={v}" for k, v in (options.get("applied") or {}).items()) or "XLA defaults"
     # Under every table: the machine a figure came from (older results files have no CPU record).
-    machine = (f"CPU: {meta.get('cpu', meta['processor'])} [{meta.get('cpu_kind', '?')}]; XLA options: {flags}; "
-               f"XLA_FLAGS: `{meta.get('xla_flags') or '(none)'}`")
+    machine = f"CPU: {meta.get('cpu', meta['processor'])}; XLA_FLAGS: `{meta.get('xla_flags') or '(none)'}`"
 
     def table(title: str, head: list[str], rows: list[list[str]]) -> None:
         if rows:

@@ -76,15 +76,10 @@ STANDARD = ["parallel.strategy=single", "train.progress=false", "train.steps=10"
 
 
 def pytest_report_header(config: pytest.Config) -> str:
-    """Which XLA option set the tests compile with: the compile-speed flags above, not this machine's
-    performance set (jaxblock/xla_options.py), which `python -m train` subprocesses apply themselves."""
-    from jaxblock import xla_options
+    """The machine and the XLA flags the tests compile with (the compile-speed flags above)."""
+    from bench.machine import cpu_model
 
-    cpu = xla_options.read_cpu()
-    chosen, source = xla_options.choice(cpu)
-    mine = f"{xla_options.format_flags(chosen) or 'none'} ({source})"
-    flags = os.environ.get("XLA_FLAGS", "")
-    return f"XLA_FLAGS: {flags} | {cpu.model} [{cpu.kind}], performance set not applied: {mine}"
+    return f"{cpu_model()}; XLA_FLAGS: {os.environ.get('XLA_FLAGS', '')}"
 
 
 @pytest.hookimpl(optionalhook=True)

@@ -1,37 +1,20 @@
-"""Transparent huge pages for the large blocks malloc hands XLA: the process re-executes itself once with
-`GLIBC_TUNABLES=glibc.malloc.hugetlb=1`, before it imports JAX.
+"""Host memory for XLA's large per-step buffers on a CPU, opt in: transparent huge pages for malloc.
 
-    from train.host_memory import reexec_with_huge_pages
-    reexec_with_huge_pages()   # first thing in a command's `__main__`; returns when there is nothing to do
+    JAXBLOCK_HUGE_PAGES=on python -m train --config configs/sentiment.yaml --workdir runs/sentiment
 
-Why: XLA's CPU runtime allocates each execution's temporary buffer (one block: 472 MiB for the N8 L256 D512
-training step, 230 MiB for the BERT fine-tuning step) with malloc from a worker thread and frees it when the
-call ends. glibc serves such a block with a fresh mmap and returns it with munmap, so every step faults
-its temporaries in again, 4 KiB at a time: 55,000-127,000 minor page faults and 117-248 ms of system time
-a step on the benchmark steps, 20-30% of their time (docs/performance-cpu.md). With the tunable, glibc
-asks the kernel for transparent huge pages on those mappings (madvise): 2 MiB at a time, a few hundred
-faults a step, the same memory.
+XLA's CPU runtime allocates each execution's temporaries as one block with malloc and frees it when the call
+ends; glibc serves such a block with a fresh mmap, so every step faults its temporaries in again, 4 KiB at a
+time. With `JAXBLOCK_HUGE_PAGES=on` a command re-executes itself once, before it imports JAX, with
+`GLIBC_TUNABLES=glibc.malloc.hugetlb=1`: glibc then asks the kernel for transparent huge pages on those
+mappings (2 MiB at a time), and the first line the command prints says so. Off by default: what it buys
+depends on the host's kernel and on the step, and it is host tuning, not the library's business; `python -m
+bench.ab --only huge_pages` measures it on a machine.
 
-The other way to the same end, `keep_freed_blocks()`, is not the default here: glibc keeps everything the
-process frees (one arena, no mmap, no trimming) and serves the next step's block from the heap without a
-fault. It acts at once, without re-executing, and for every library in the process; but the memory is
-never given back, and it fragments: one step called again and again stayed at the same size (the BERT step
-over 60 calls, the D512 step over 40), the two alternating, as a training loop alternates its train and
-eval programs, grew from 1.9 to 2.8 GiB in 15 rounds of one run (AMD EPYC, 2026-12-03). `python -m bench
---malloc keep` uses it to time both libraries in one process without page faults.
-
-Not for a process that also runs PyTorch: timed interleaved with PyTorch's eager step in one process, the
-N8 L256 D512 step took 850-1,080 ms instead of 530-590 ms alone, with the same page faults but 590-790 ms of
-system time instead of 40-70 (AMD EPYC, 2026-12-02); with glibc's defaults it took 650-770 ms either way.
-So `python -m bench`, which times both libraries in one process, and the transformers peer keep glibc's
-defaults; the commands that run only JAX re-execute (`python -m train`, bench.profile, bench.tune_xla,
-bench.ab's children).
-
-The tunable is read only when a process starts, hence the re-execution (same process id, arguments,
-standard streams; one extra interpreter start before any heavy import). It happens only where it can
-act: Linux, glibc 2.35 or later, transparent huge pages not switched off; never when GLIBC_TUNABLES
-already names glibc.malloc.hugetlb (the user's value wins, and the re-executed process finds its own),
-nor with JAXBLOCK_HUGE_PAGES=off. `status()` says what this process runs with.
+It acts only where it can: Linux, glibc 2.35 or later, transparent huge pages not switched off; never when
+GLIBC_TUNABLES already names glibc.malloc.hugetlb (the user's value wins). `keep_freed_blocks()` is the
+benchmark's other way to time both libraries without page faults (`python -m bench --malloc keep`): glibc
+keeps everything the process frees, memory that is never given back. `status()` says what this process
+runs with.
 """
 
 from __future__ import annotations
@@ -43,7 +26,7 @@ import sys
 from pathlib import Path
 
 TUNABLE = "glibc.malloc.hugetlb"
-SWITCH = "JAXBLOCK_HUGE_PAGES"  # "off" keeps glibc's defaults
+SWITCH = "JAXBLOCK_HUGE_PAGES"  # "on" re-executes with the tunable; anything else keeps glibc's defaults
 _THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 # mallopt's parameters (glibc's malloc.h)
 _M_TRIM_THRESHOLD, _M_MMAP_MAX, _M_ARENA_MAX = -1, -4, -8
@@ -80,7 +63,7 @@ def _user_tunable(env: dict[str, str] | os._Environ[str]) -> str | None:
 def wanted(env: dict[str, str] | os._Environ[str] | None = None) -> bool:
     """Whether this process should re-execute itself with the tunable."""
     env = os.environ if env is None else env
-    return (env.get(SWITCH, "").strip().lower() not in ("off", "0", "false", "no")
+    return (env.get(SWITCH, "").strip().lower() in ("on", "1", "true", "yes")
             and _user_tunable(env) is None and sys.platform.startswith("linux") and _glibc_at_least(2, 35)
             and _thp_possible() and bool(getattr(sys, "orig_argv", None)))
 
@@ -92,6 +75,8 @@ def reexec_with_huge_pages() -> None:
         return
     tunables = os.environ.get("GLIBC_TUNABLES", "")
     env = {**os.environ, "GLIBC_TUNABLES": f"{tunables}:{TUNABLE}=1" if tunables else f"{TUNABLE}=1"}
+    print(f"huge pages: on ({SWITCH}=on): {TUNABLE}=1 for XLA's per-step buffers (train/host_memory.py)",
+          file=sys.stderr)
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
     try:

@@ -23,7 +23,7 @@ def _outcome(argv: list[str], output: str, code: int | None) -> cpu_report.Outco
 
 def test_the_record_names_machine_versions_and_each_commands_output():
     outcomes = [_outcome(["-m", "bench", "--only", "peak"], "peak float32: 232 GFLOP/s\n", 0),
-                _outcome(["-m", "bench.tune_xla", "--dry-run"], "Traceback ...\nboom\n", 1),
+                _outcome(["-m", "bench.ab", "--quick"], "Traceback ...\nboom\n", 1),
                 _outcome(["-m", "bench.profile", "--bert"], "half a line", None)]
     text = cpu_report.render(CPU, {"jax": "0.10.2", "torch": "2.13.0"}, "abc1234", "XLA defaults", outcomes,
                              datetime.date(2026, 12, 2), quick=False, malloc="malloc: glibc's defaults")
@@ -31,7 +31,7 @@ def test_the_record_names_machine_versions_and_each_commands_output():
     assert ('Machine: `lscpu` "Intel(R) Xeon(R) Processor" (vendor GenuineIntel, family 6, model 207); 2 CPUs'
             in text)
     assert "flags include avx2, fma, avx512f, avx512_bf16, amx_bf16, amx_tile." in text
-    assert "jax 0.10.2, torch 2.13.0" in text and "XLA option set (jaxblock/xla_options.py): XLA defaults." in text
+    assert "jax 0.10.2, torch 2.13.0" in text and "XLA_FLAGS: XLA defaults." in text
     assert "Malloc: glibc's defaults." in text
     for o in outcomes:
         assert f"## python {' '.join(o.argv)}\n" in text and o.output.strip() in text

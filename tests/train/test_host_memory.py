@@ -1,7 +1,8 @@
-"""train/host_memory.py: a command re-executes itself once with glibc.malloc.hugetlb=1 (same process id, the
-tunable in its environment), never when the user named the tunable or switched it off or where it cannot
-act; and (slow) with it a program whose temporaries are large runs again with a small fraction of the page
-faults it takes without. keep_freed_blocks(): a large block freed in a thread is served again without faults."""
+"""train/host_memory.py: asked to (JAXBLOCK_HUGE_PAGES=on), a command re-executes itself once with
+glibc.malloc.hugetlb=1 (same process id, the tunable in its environment) and says so first; never unasked,
+when the user named the tunable, or where it cannot act; and (slow) with it a program whose temporaries are
+large runs again with a small fraction of the page faults it takes without. keep_freed_blocks(): a large
+block freed in a thread is served again without faults."""
 
 import json
 import os
@@ -15,33 +16,38 @@ import pytest
 from train import host_memory
 
 ROOT = Path(__file__).resolve().parents[2]
-ACTS_HERE = host_memory.wanted({})
+ACTS_HERE = host_memory.wanted({host_memory.SWITCH: "on"})
 SHOW = ("import os, sys; print(os.getpid(), os.environ.get('GLIBC_TUNABLES'), flush=True); "
         "from train.host_memory import reexec_with_huge_pages; reexec_with_huge_pages()")
 
 
 def _run(code: str, **env: str) -> list[str]:
+    return _done(code, **env).stdout.strip().splitlines()
+
+
+def _done(code: str, **env: str) -> subprocess.CompletedProcess[str]:
     base = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", host_memory.SWITCH)}
-    done = subprocess.run([sys.executable, "-c", code], env={**base, "PYTHONPATH": str(ROOT), **env}, cwd=ROOT,
+    return subprocess.run([sys.executable, "-c", code], env={**base, "PYTHONPATH": str(ROOT), **env}, cwd=ROOT,
                           capture_output=True, text=True, timeout=600, check=True)
-    return done.stdout.strip().splitlines()
 
 
-def test_wanted_only_where_it_can_act_and_the_user_has_not_decided(monkeypatch):
+def test_wanted_only_when_asked_where_it_can_act_and_the_user_has_not_decided(monkeypatch):
     monkeypatch.setattr(host_memory.platform, "libc_ver", lambda: ("glibc", "2.36"))
     monkeypatch.setattr(host_memory, "_thp_possible", lambda: True)
     monkeypatch.setattr(host_memory.sys, "platform", "linux")
-    assert host_memory.wanted({})
+    on = {host_memory.SWITCH: "on"}
+    assert host_memory.wanted(on)
+    assert not host_memory.wanted({})  # opt in: off unless asked
     assert not host_memory.wanted({host_memory.SWITCH: "off"})
-    assert not host_memory.wanted({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"})
-    assert host_memory.wanted({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"})  # other tunables are kept
+    assert not host_memory.wanted({**on, "GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"})
+    assert host_memory.wanted({**on, "GLIBC_TUNABLES": "glibc.malloc.arena_max=2"})  # other tunables are kept
     monkeypatch.setattr(host_memory.platform, "libc_ver", lambda: ("glibc", "2.31"))  # before the tunable
-    assert not host_memory.wanted({})
+    assert not host_memory.wanted(on)
     monkeypatch.setattr(host_memory.platform, "libc_ver", lambda: ("", ""))  # musl, or not Linux
-    assert not host_memory.wanted({})
+    assert not host_memory.wanted(on)
     monkeypatch.setattr(host_memory.platform, "libc_ver", lambda: ("glibc", "2.36"))
     monkeypatch.setattr(host_memory, "_thp_possible", lambda: False)  # transparent huge pages: never
-    assert not host_memory.wanted({})
+    assert not host_memory.wanted(on)
 
 
 def test_status_names_the_setting(monkeypatch):
@@ -54,15 +60,17 @@ def test_status_names_the_setting(monkeypatch):
 
 
 @pytest.mark.skipif(not ACTS_HERE, reason="needs Linux, glibc >= 2.35 and transparent huge pages")
-def test_the_process_reexecutes_itself_once_with_the_tunable():
-    first, second = _run(SHOW)
+def test_asked_the_process_reexecutes_itself_once_with_the_tunable_and_says_so_first():
+    done = _done(SHOW, JAXBLOCK_HUGE_PAGES="on")
+    first, second = done.stdout.strip().splitlines()
     assert first.split()[1] == "None" and second.split()[1] == "glibc.malloc.hugetlb=1"
     assert first.split()[0] == second.split()[0]  # the same process
-    (only,) = _run(SHOW, JAXBLOCK_HUGE_PAGES="off")
+    assert done.stderr.startswith("huge pages: on (JAXBLOCK_HUGE_PAGES=on): glibc.malloc.hugetlb=1")
+    (only,) = _run(SHOW)  # not asked
     assert only.split()[1] == "None"
-    (only,) = _run(SHOW, GLIBC_TUNABLES="glibc.malloc.hugetlb=0")
+    (only,) = _run(SHOW, JAXBLOCK_HUGE_PAGES="on", GLIBC_TUNABLES="glibc.malloc.hugetlb=0")
     assert only.split()[1] == "glibc.malloc.hugetlb=0"
-    first, second = _run(SHOW, GLIBC_TUNABLES="glibc.malloc.arena_max=2")
+    first, second = _run(SHOW, JAXBLOCK_HUGE_PAGES="on", GLIBC_TUNABLES="glibc.malloc.arena_max=2")
     assert second.split()[1] == "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"
 
 
@@ -86,8 +94,8 @@ print(json.dumps(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before))
 @pytest.mark.slow
 @pytest.mark.skipif(not ACTS_HERE, reason="needs Linux, glibc >= 2.35 and transparent huge pages")
 def test_huge_pages_take_a_fraction_of_the_page_faults():
-    huge = int(_run(FAULTS, XLA_FLAGS="")[-1])
-    small = int(_run(FAULTS, XLA_FLAGS="", JAXBLOCK_HUGE_PAGES="off")[-1])
+    huge = int(_run(FAULTS, XLA_FLAGS="", JAXBLOCK_HUGE_PAGES="on")[-1])
+    small = int(_run(FAULTS, XLA_FLAGS="")[-1])
     pages = 3 * 6400 * 4096 * 4 // 4096  # one [6400, 4096] float32 temporary a call, in 4 KiB pages
     assert small > pages  # without: every call faults its temporaries in again
     assert huge < small // 20, (huge, small)

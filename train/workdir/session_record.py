@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import platform
 import socket
 import subprocess
 import sys
@@ -27,8 +29,6 @@ def run_metadata(start_step: int) -> dict[str, Any]:
     import optax
     import orbax.checkpoint
 
-    from jaxblock import xla_options
-
     return {
         "started": datetime.now(UTC).isoformat(timespec="seconds"),
         "start_step": start_step,
@@ -41,5 +41,18 @@ def run_metadata(start_step: int) -> dict[str, Any]:
         "devices": [str(d) for d in jax.devices()],
         "process_count": jax.process_count(),
         "git_commit": _git_commit(),
-        "xla_options": xla_options.current().as_dict(),  # CPU model and the XLA option set this session used
+        "cpu": _cpu_model(),
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
     }
+
+
+def _cpu_model() -> str:
+    """The CPU as /proc/cpuinfo names it ('model name'), else what the platform module says."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, sep, value = line.partition(":")
+            if sep and key.strip() == "model name":
+                return value.strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
