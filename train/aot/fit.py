@@ -79,8 +79,8 @@ def search(resolved: shapes.Resolved, devices: list[Any], target: targets.Target
                 usable, chip, model = result.usable, result.chip, result.model.replace(f", remat {policy}", "")
                 call = result.calls[0]
                 total = call.memory.get("total")
-                probes[per_chip] = Probe(per_chip, call.compiled and total is not None and total <= usable,
-                                         total, call.flops, call.seconds)
+                probes[per_chip] = Probe(per_chip, call.fits(usable, target.platform), total, call.flops,
+                                         call.seconds)
             return probes[per_chip]
 
         best = _largest(probe, start)

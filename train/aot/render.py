@@ -36,12 +36,13 @@ def text(result: Any) -> str:
         flops = f", {_flops(call.flops)} per chip" if call.flops else ""
         lines.append(f"{title}: {call.shapes}; compiled in {call.seconds:.1f}s{flops}")
         m = call.memory
-        fits = call.fits(result.usable)
+        fits = call.fits(result.usable, target.platform)
+        over = " (the compiler accepts it: XLA's peak is an estimate)" if fits and m["total"] > result.usable else ""
         lines += [f"  memory per chip (the compiler's): arguments {size(m['arguments'])}, outputs "
                   f"{size(m['outputs'] - m['aliases'])} (+{size(m['aliases'])} in place of their arguments), "
                   f"temporaries {size(m['temporaries'])}",
                   f"  peak {size(m['total'])} of {size(result.usable)} usable: "
-                  f"{'fits' if fits else 'DOES NOT FIT'}"]
+                  f"{'fits' if fits else 'DOES NOT FIT'}{over}"]
         if call.largest:
             lines.append(f"  largest buffers: {'; '.join(call.largest)}")
         lines += layer_lines(call.layers, _status)
