@@ -226,7 +226,7 @@ def _hf_shape(spec: str) -> tuple[Any, str]:
     try:
         fam, hf_cfg = read_config(path)
         fields = fam.encoder_fields(hf_cfg, None)
-        model = EncoderConfig.model_validate(fields).model_copy(update=fam.head_fields(hf_cfg))
+        model = EncoderConfig.model_validate(fields | {"pooler": fam.head_fields(hf_cfg)})
     except (UnsupportedConfigError, FileNotFoundError) as err:
         raise ConfigError(f"model.init_from={spec}: {err}") from None
     except ValidationError as err:
@@ -453,7 +453,7 @@ def _lower_call(call: str, shapes: str, task: Any, model: Any, config: Config, s
             return CallResult(call, shapes, False, one_line_error(err), [
                 LayerResult(i, k, r, LOWERED_MARKERS.get(k), [], False) for i, (k, r) in enumerate(promised)])
         # No CUDA plugin here: lower the call with the kernel the dispatch runs without cuDNN.
-        fallback = config.model.model_copy(update={"block": config.model.block.model_copy(update={"attention": "xla"})})
+        fallback = config.model.with_kernel("xla")
         with _kernel_context(mesh, rules, strategy):
             substitute = layer_kernels(fallback, train=train, length=length, segments=packed)
         try:
