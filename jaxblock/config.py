@@ -352,8 +352,8 @@ class StackConfig(_Frozen):
     remat: Literal["none", "full", "dots"] = Field(
         "none", description="Rematerialize each block: 'full' saves nothing, 'dots' saves matmul outputs."
     )
-    layers: LayersConfig = Field(default_factory=lambda: LayersConfig())
     block: BlockConfig = Field(default_factory=lambda: BlockConfig())
+    layers: LayersConfig = Field(default_factory=lambda: LayersConfig())
 
     @model_validator(mode="before")
     @classmethod
