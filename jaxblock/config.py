@@ -129,12 +129,12 @@ def _refuse_old_keys(data: Any, level: str, fields: dict[str, Any]) -> None:
 
 
 def _put(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    """tree[a][b][c] = value for dotted 'a.b.c', copying each group on the way (the input stays as it was)."""
     *groups, name = dotted.split(".")
     for group in groups:
         node = tree.get(group)
-        if not isinstance(node, dict):
-            node = tree[group] = {}
-        tree = node
+        tree[group] = dict(node) if isinstance(node, dict) else {}
+        tree = tree[group]
     tree[name] = value
 
 
