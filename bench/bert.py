@@ -207,7 +207,7 @@ def section(ctx: Context, source: str | None = None) -> list[Record]:
     shape = (f"BERT {ours.config.num_layers}x D{block.model_dim} H{block.num_heads} F{block.ffn_dim} "
              f"V{ours.config.vocab_size}, N{n} L{length}")
     config = {"N": n, "L": length, "real_tokens": real, "weights": what, "dropout": block.residual_dropout,
-              "attn_dropout": block.attn_dropout, "lr": LR, "clip": CLIP, "threads": ctx.threads}
+              "attn_dropout": block.attention.dropout, "lr": LR, "clip": CLIP, "threads": ctx.threads}
     out = []
     for name, ts in times.items():
         m: dict[str, Any] = {"tokens_per_s": real / med[name], "gflop_per_s": flops / med[name] / 1e9,

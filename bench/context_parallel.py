@@ -56,18 +56,20 @@ def model_config(kind: str, *, context: int = 1, strategy: str = "all_gather", l
     """The config of one equality case: one device with the unfused attention (context=1) or the sharded run."""
     from train.config import config_from_dict
 
-    block: dict[str, Any] = {"model_dim": 32, "num_heads": 4, "ffn_dim": 64, "attn_chunk_size": 8}
+    attention: dict[str, Any] = {"chunk_size": 8}
+    block: dict[str, Any] = {"model_dim": 32, "num_heads": 4, "ffn_dim": 64, "attention": attention}
     stack: dict[str, Any] = {}
     if kind == "causal":
-        block["causal"] = True
+        attention["causal"] = True
     if kind == "gqa":
-        block |= {"num_kv_heads": 2, "causal": True}
+        block["num_kv_heads"] = 2
+        attention["causal"] = True
     if kind == "mqa":
         block["num_kv_heads"] = 1
     if kind == "windowed":
-        stack["layer_windows"] = [3, None]
+        stack["layers"] = {"window": [3, None]}
     if context == 1:
-        block["attention"] = "unfused"
+        attention["kernel"] = "unfused"
         parallel: dict[str, Any] = {"strategy": "single"}
     else:
         parallel = {"strategy": "sharded", "mesh": {**BESIDE[context], "context": context},
@@ -191,8 +193,10 @@ def memory_config(length: int, context: int, strategy: str) -> Any:
     from train.config import config_from_dict
 
     return config_from_dict({
-        "model": {"vocab_size": 256, "num_classes": 2, "max_len": length, "num_layers": 2, "positions": "rope",
-                  "block": {"model_dim": 256, "num_heads": 4, "ffn_dim": 1024, "attn_chunk_size": 256}},
+        "model": {"vocab_size": 256, "num_classes": 2, "max_len": length, "num_layers": 2,
+                  "embedding": {"positions": "none"},
+                  "block": {"model_dim": 256, "num_heads": 4, "ffn_dim": 1024,
+                            "attention": {"rope": True, "chunk_size": 256}}},
         "data": {"buckets": [length], "max_len": length},
         "optim": {"optimizer": "adamw", "warmup_steps": 0, "schedule": "constant"},
         "train": {"batch_size": 1},

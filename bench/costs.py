@@ -5,7 +5,7 @@ length  L = 128 ... 4096 for one sequence (N=1), B=2 blocks: projections, FFN an
         attention's FLOPs and its [L, L] scores as L². Four attention/memory settings: XLA attention,
         XLA + remat, chunked (flash-style, [L, J] blocks), chunked + remat (remat always with scan over
         layers), and on a GPU 'auto' (cuDNN).
-        On a CPU, 'auto' itself picks chunked from L = 4 * attn_chunk_size = 2048 on.
+        On a CPU, 'auto' itself picks chunked from L = 4 * attention.chunk_size = 2048 on.
 width   D = 128 ... 1024 (H = D/64, F = 4D) at N=8, L=128, B=2.
 depth   1 ... 8 layers at the first benchmark shape.
 compile time to trace and compile the training step vs the number of layers, with and without scan over layers.
@@ -80,8 +80,8 @@ def length(ctx: Context) -> list[Record]:
         for label, opt in settings.items():
             remat = opt.get("remat", "none")
             scan = remat != "none"  # XLA's CPU scheduler saves no memory with remat unless layers are scanned
-            cfg = stack_config(shape, scan=scan, remat=remat, attention=opt["attention"], attn_chunk_size=chunk,
-                               dtype=ctx.dtype)
+            attention = {"kernel": opt["attention"], "chunk_size": chunk}
+            cfg = stack_config(shape, scan=scan, remat=remat, attention=attention, dtype=ctx.dtype)
             ctx.log(f"length L={L} {label}")
             records.append(measure_train_point(ctx, "length", f"L={L} {label}", cfg, shape,
                                                {"attention": opt["attention"], "remat": remat, "scan": scan,

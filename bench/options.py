@@ -35,10 +35,10 @@ def options(ctx: Context) -> list[Record]:
     other_dtype = "float32" if ctx.dtype == "bfloat16" else "bfloat16"
     variants: dict[str, tuple[dict[str, Any], bool]] = {
         "default": ({}, True),
-        "fused_qkv off": ({"fused_qkv": False}, True),
-        "attention xla": ({"attention": "xla"}, True),
-        "attention unfused": ({"attention": "unfused"}, True),
-        "attention chunked": ({"attention": "chunked", "attn_chunk_size": max(shape.length // 2, 1)}, True),
+        "fused_qkv off": ({"attention": {"fused_qkv": False}}, True),
+        "attention xla": ({"attention": {"kernel": "xla"}}, True),
+        "attention unfused": ({"attention": {"kernel": "unfused"}}, True),
+        "attention chunked": ({"attention": {"kernel": "chunked", "chunk_size": max(shape.length // 2, 1)}}, True),
         "scan": ({"scan": True}, True),
         "remat full (unrolled)": ({"remat": "full"}, True),
         "scan + remat full": ({"scan": True, "remat": "full"}, True),

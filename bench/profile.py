@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         return _bert(args.quick)
     base = QUICK_SHAPES[0] if args.quick else CPU_SHAPES[args.shape]
     shape = Shape(args.batch or base.n, args.length or base.length, base.d, base.h, base.f, base.k)
-    cfg = stack_config(shape, scan=args.scan, remat=args.remat, attention=args.attention, dtype=args.dtype)
+    cfg = stack_config(shape, scan=args.scan, remat=args.remat, attention={"kernel": args.attention}, dtype=args.dtype)
     x, valid = make_inputs(shape)
     options = dict(kv.split("=", 1) for kv in args.xla)
     step = OursTrain(cfg, init_params(cfg, shape), x, valid, compiler_options=options or None)

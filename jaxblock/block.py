@@ -61,7 +61,7 @@ class EncoderBlock(nn.Module):
         per_layer: dict[str, jax.Array] | None = None,
         train: bool = False,
     ) -> jax.Array:
-        """per_layer: this layer's row of StackConfig.per_layer (window, rope_base, attn_norm scalars)."""
+        """per_layer: this layer's row of LayersConfig.per_layer (window, rope_base, attn_norm scalars)."""
         cfg = self.config
         layer = per_layer or {}
         chex.assert_rank(x, 3)

@@ -73,7 +73,7 @@ class EncoderStack(nn.Module):
             layer = nn.remat(layer, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=not cfg.scan_layers)
         args = (valid_tokens, attn_mask, segment_ids, positions)
         # Per-layer settings: arrays with a leading [B] axis, scanned over (unrolled: layer i gets row i).
-        per_layer = {k: jnp.asarray(v) for k, v in cfg.per_layer.items()} or None
+        per_layer = {k: jnp.asarray(v) for k, v in cfg.layers.per_layer.items()} or None
         if cfg.scan_layers:
             scanned = nn.scan(
                 layer,
@@ -83,11 +83,12 @@ class EncoderStack(nn.Module):
                 length=cfg.num_layers,
                 metadata_params={nn.PARTITION_NAME: "layers"},
             )
-            x, _ = scanned(cfg.block, cfg.window_choices, train=train, scanned=True, name="layers")(x, *args, per_layer)
+            block = scanned(cfg.block, cfg.layers.window_choices, train=train, scanned=True, name="layers")
+            x, _ = block(x, *args, per_layer)
         else:
             for i in range(cfg.num_layers):
                 row = None if per_layer is None else {k: v[i] for k, v in per_layer.items()}
-                x = layer(cfg.block, cfg.window_choices, train=train, name=f"layers_{i}")(x, *args, row)
+                x = layer(cfg.block, cfg.layers.window_choices, train=train, name=f"layers_{i}")(x, *args, row)
         if cfg.has_final_norm:
             x = make_norm(cfg.block, "final_norm")(x)
         return x
@@ -96,7 +97,7 @@ class EncoderStack(nn.Module):
 class Encoder(nn.Module):
     """(tokens int[N, L], valid_tokens bool[N, L]) -> [N, L, D]: embedding + positions + stack.
 
-    token_type_ids int[N, L] in [0, Y) (zeros when None) are read only when config.type_vocab_size = Y > 0.
+    token_type_ids int[N, L] in [0, Y) (zeros when None) are read only when config.embedding.type_vocab_size = Y > 0.
     """
 
     config: EncoderConfig
@@ -130,12 +131,12 @@ class Encoder(nn.Module):
         # A padded id outside [0, V) looks up id 0 (not NaN), so the lookup and its gradient stay finite.
         in_range = (tokens >= 0) & (tokens < cfg.vocab_size)
         x = jnp.take(embed, jnp.where(valid_tokens | in_range, tokens, 0), axis=0).astype(jnp.float32)  # [N, L, D]
-        if cfg.type_vocab_size:
+        if cfg.embedding.type_vocab_size:
             types = self.param(
                 "type_embedding",
                 logical(nn.initializers.normal(0.02), (None, "embed")),
-                (cfg.type_vocab_size, width), blk.params_dtype,
-            )  # [type_vocab_size, D]
+                (cfg.embedding.type_vocab_size, width), blk.params_dtype,
+            )  # [Y, E]
             type_ids = jnp.zeros_like(tokens) if token_type_ids is None else token_type_ids
             chex.assert_equal_shape([type_ids, tokens])
             x = x + jnp.take(types, type_ids, axis=0).astype(jnp.float32)
@@ -143,18 +144,18 @@ class Encoder(nn.Module):
             positions = masks.segment_positions(segment_ids)
         else:
             positions = jnp.broadcast_to(jnp.arange(length), (n, length))
-        if cfg.positions == "sinusoidal":
+        if cfg.embedding.positions == "sinusoidal":
             x = x + sinusoidal_table(cfg.max_len, width)[positions]
-        elif cfg.positions == "learned":
+        elif cfg.embedding.positions == "learned":
             table = self.param(
                 "pos_embedding",
                 logical(nn.initializers.normal(0.02), (None, "embed")),
-                (cfg.max_len + cfg.position_offset, width), blk.params_dtype,
+                (cfg.max_len + cfg.embedding.position_offset, width), blk.params_dtype,
             )
-            x = x + table.astype(jnp.float32)[positions + cfg.position_offset]
-        if cfg.embed_norm:
+            x = x + table.astype(jnp.float32)[positions + cfg.embedding.position_offset]
+        if cfg.embedding.norm:
             x = make_norm(blk.model_copy(update={"model_dim": width}), "embed_norm")(x).astype(jnp.float32)
-        x = nn.Dropout(cfg.embed_dropout)(x, deterministic=not train)
+        x = nn.Dropout(cfg.embedding.dropout)(x, deterministic=not train)
         if width != blk.model_dim:  # E -> D (ELECTRA's embeddings_project)
             x = nn.Dense(
                 blk.model_dim,
@@ -165,7 +166,7 @@ class Encoder(nn.Module):
         x = nn.with_logical_constraint(x.astype(blk.compute_dtype), TOKENS)
         return EncoderStack(cfg, name="stack")(
             x, valid_tokens, attn_mask=attn_mask, segment_ids=segment_ids,
-            positions=positions if blk.rope else None, train=train,
+            positions=positions if blk.attention.rope else None, train=train,
         )
 
 
@@ -197,11 +198,11 @@ _POOLER_ACTIVATIONS = {"tanh": jnp.tanh, "relu": jax.nn.relu, "gelu": gelu_exact
 
 
 class Classifier(nn.Module):
-    """(tokens, valid_tokens, train=False) -> float32 logits [N, C] via config.pooling.
+    """(tokens, valid_tokens, train=False) -> float32 logits [N, C] via config.pooler.
 
     'mean': masked mean -> head (kernel [D, C], bias [C]). 'cls': token 0 -> pooler (Dense D -> D,
-    tanh, relu or gelu, then pooler_norm if set) -> dropout (embed_dropout) -> head. 'last': the last real
-    token -> head without bias. pooler='dense' puts the pooler after mean pooling too (ModernBERT).
+    tanh, relu or gelu, then its norm if pooler.norm) -> dropout (embedding.dropout) -> head. 'last': the last real
+    token -> head without bias. pooler.dense=true puts the pooler after mean pooling too (ModernBERT).
     Packed rows ('mean' only): pass segment_ids (ids 0..S-1 per row) and num_segments=S to get [N, S, C].
     """
 
@@ -223,33 +224,33 @@ class Classifier(nn.Module):
             tokens, valid_tokens, token_type_ids=token_type_ids, segment_ids=segment_ids, train=train
         )
         if segment_ids is not None and num_segments is not None:
-            if cfg.pooling != "mean":
-                raise ValueError(f"packed rows need pooling='mean', got pooling='{cfg.pooling}': unpack the batch")
+            if cfg.pooler.pooling != "mean":
+                raise ValueError(f"packed rows need pooler.pooling='mean', not '{cfg.pooler.pooling}': unpack them")
             pooled = segment_mean(h, valid_tokens, segment_ids, num_segments)  # [N, S, D]
-        elif cfg.pooling == "cls":
+        elif cfg.pooler.pooling == "cls":
             pooled = h[:, 0].astype(jnp.float32)  # [N, D]
-        elif cfg.pooling == "last":
+        elif cfg.pooler.pooling == "last":
             pooled = last_token(h, valid_tokens)  # [N, D]
         else:
             pooled = masked_mean(h, valid_tokens)  # [N, D]
-        if cfg.has_pooler:
+        if cfg.pooler.has_dense:
             pooled = nn.Dense(
                 cfg.block.model_dim,
-                use_bias=cfg.pooler_bias,
+                use_bias=cfg.pooler.bias,
                 kernel_init=logical(nn.initializers.lecun_normal(), ("embed", None)),
                 bias_init=logical(nn.initializers.zeros_init(), (None,)),
                 param_dtype=cfg.block.params_dtype,
                 dtype=jnp.float32,
                 name="pooler",
             )(pooled)
-            pooled = _POOLER_ACTIVATIONS[cfg.pooler_activation](pooled)
-            if cfg.pooler_norm:
+            pooled = _POOLER_ACTIVATIONS[cfg.pooler.activation](pooled)
+            if cfg.pooler.norm:
                 f32_block = cfg.block.model_copy(update={"dtype": "float32"})
                 pooled = make_norm(f32_block, "pooler_norm")(pooled)
-            pooled = nn.Dropout(cfg.embed_dropout)(pooled, deterministic=not train)
+            pooled = nn.Dropout(cfg.embedding.dropout)(pooled, deterministic=not train)
         head = nn.Dense(
             cfg.num_classes,
-            use_bias=cfg.pooling != "last",
+            use_bias=cfg.pooler.pooling != "last",
             kernel_init=logical(nn.initializers.lecun_normal(), ("embed", None)),
             bias_init=logical(nn.initializers.zeros_init(), (None,)),
             param_dtype=cfg.block.params_dtype,

@@ -101,6 +101,17 @@ def test_the_config_page_table_is_the_schema():
     assert table.strip() == schema_table().strip()
 
 
+def test_the_config_page_lists_every_key_of_the_flat_layout_with_its_new_key():
+    """docs/config.md's table of the flat layout is jaxblock.config.RENAMED, row for row."""
+    from jaxblock.config import RENAMED
+
+    text = (DOCS / "config.md").read_text(encoding="utf-8").split("## Keys of the flat layout", 1)[1]
+    rows = [line for line in text.splitlines() if line.startswith("| `model.")]
+    assert len(rows) == len(RENAMED)
+    for row, (old, new) in zip(rows, RENAMED.items(), strict=True):
+        assert row.startswith(f"| `model.{old}` | `model.{new}`"), row
+
+
 def test_the_study_table_in_the_diagnostics_page_is_the_generated_one():
     """The gradient-norm table quoted in docs/diagnostics.md is the one `study-ln` wrote to docs/study_ln.md."""
     quoted = (DOCS / "diagnostics.md").read_text(encoding="utf-8")

@@ -13,7 +13,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from jaxblock.config import EncoderConfig, format_validation_error
+from jaxblock.config import EncoderConfig, find_old_key, format_validation_error, renamed_message
 from train.errors import ConfigError
 
 __all__ = ["ConfigError"]  # and the config sections below
@@ -272,7 +272,7 @@ class ModelConfig(EncoderConfig):
         description="Start the encoder from a pretrained checkpoint and train a fresh head: hf:<dir> (a local "
         "transformers checkpoint directory; its tokenizer.json is used) or a run's workdir (<workdir> or "
         "<workdir>@<step>; its tokenizer is used). The model's shape comes from the checkpoint (a contradicting "
-        "override is refused); dropout, pooling, dtypes and max_len (within its positions) may be set.",
+        "override is refused); dropout, the pooler, dtypes and max_len (within its positions) may be set.",
     )
 
 
@@ -368,6 +368,9 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"config file {p} must be a mapping of sections (model:, data:, ...)")
         data = loaded or {}
+        old = find_old_key(data.get("model"))
+        if old is not None:  # before the overrides, which may write below a key that is a group now
+            raise ConfigError(f"config file {p}: {renamed_message(*old, prefix='model.')}: rename it in the file")
     return config_from_dict(apply_overrides(data, overrides or []))
 
 

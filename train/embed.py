@@ -159,7 +159,7 @@ class Embedder:
         model = source.model.model_copy(update={"max_len": limit})
         encoder = dict(source.encoder)
         if "pos_embedding" in encoder:
-            encoder["pos_embedding"] = encoder["pos_embedding"][: limit + model.position_offset]
+            encoder["pos_embedding"] = encoder["pos_embedding"][: limit + model.embedding.position_offset]
         params = jax.tree.map(jnp.asarray, encoder)
         return cls(model, params, source.tokenizer, pooling, limit, directory)
 

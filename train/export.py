@@ -92,7 +92,7 @@ class Source:
 
 def _portable(model: Any) -> Any:
     """The model config with the export's attention kernel."""
-    return model.model_copy(update={"block": model.block.model_copy(update={"attention": KERNEL})})
+    return model.with_kernel(KERNEL)
 
 
 def from_workdir(workdir: Path, step: int | None = None) -> Source:
@@ -114,7 +114,8 @@ def from_workdir(workdir: Path, step: int | None = None) -> Source:
     buckets = sorted({b for b in data.buckets if b < max_len} | {max_len})
     if task.name == "classification":
         classifier = Classifier(model)
-        pooled = {"mean": masked_mean, "last": last_token}.get(model.pooling, lambda h, v: h[:, 0].astype(jnp.float32))
+        pooled = {"mean": masked_mean, "last": last_token}.get(model.pooler.pooling,
+                                                               lambda h, v: h[:, 0].astype(jnp.float32))
 
         def classify(p: Any, tokens: jax.Array, valid: jax.Array) -> dict[str, jax.Array]:
             logits, state = classifier.apply(
@@ -125,7 +126,8 @@ def from_workdir(workdir: Path, step: int | None = None) -> Source:
                     "embeddings": pooled(hidden, valid)}
 
         return Source("classifier", model, params, classify, run.tokenizer, max_len, buckets, run.label_names,
-                      f"{model.pooling} (the encoder's output as the head reads it, before any pooler)", record)
+                      f"{model.pooler.pooling} (the encoder's output as the head reads it, before any pooler)",
+                      record)
     if task.name == "mlm":
         encoder = Encoder(model)
 

@@ -29,6 +29,7 @@ from train.checkpoints.store import (
     DamagedCheckpointError,
     check_compatible,
     latest_step,
+    migrate_run_config,
     read_run_config,
 )
 from train.config import STREAMED_SOURCES, Config, ConfigError, apply_overrides, config_from_dict, load_config
@@ -149,7 +150,7 @@ def prepare(plan: Plan) -> str | None:
     text = yaml.safe_dump(plan.config.model_dump(mode="json"), sort_keys=False)
     changed: list[str] = []
     if plan.start_step and (plan.workdir / CONFIG_FILE).is_file():
-        saved = yaml.safe_load((plan.workdir / CONFIG_FILE).read_text()) or {}
+        saved = migrate_run_config(yaml.safe_load((plan.workdir / CONFIG_FILE).read_text()) or {})
         changed = config_changes(saved, plan.config.model_dump(mode="json"))
     history = plan.workdir / HISTORY_DIR
     history.mkdir(exist_ok=True)

@@ -1,6 +1,6 @@
 """Chunked (memory-efficient) attention: an online softmax over key blocks, flash-attention style.
 
-Shapes as in the package: q [N, L, H, K]; k, v [N, L, G, K]; J a key block (`attn_chunk_size`).
+Shapes as in the package: q [N, L, H, K]; k, v [N, L, G, K]; J a key block (`attention.chunk_size`).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Shapes: q [N, L, H, K]; k, v [N, L, G, K] in the global view (R = H / G query heads per k/v head). Inside
 the `shard_map` each device holds Q = L / C queries, keys and values (C: the context shards); J is a key
-block of the online softmax (`attn_chunk_size`, or the largest divisor of the key range below it).
+block of the online softmax (`attention.chunk_size`, or the largest divisor of the key range below it).
 
 Two strategies, one online softmax (the chunked kernel's, with the queries' global positions):
 

@@ -30,21 +30,21 @@ def choose_implementation(
     segments / window / attn_mask: the call has packed rows, a per-layer window, an arbitrary bool mask;
     extra_mask: some extra mask of unstated kind (treated as an attn_mask, the most restrictive).
     length: L of the call; on a CPU, 'auto' picks the chunked kernel from 4 key blocks (L >= 4 *
-    attn_chunk_size) on, where it measured faster than XLA's (1.26x at L=2048 and 1.38x at L=4096, with a
+    attention.chunk_size) on, where it measured faster than XLA's (1.26x at L=2048 and 1.38x at L=4096, with a
     third and a fifth of the memory: python -m bench --only length).
     """
     backend = platform_name(backend) if backend else target_platform()
     attn_mask = attn_mask or extra_mask
     masked = _MaskKinds(segments, window, attn_mask)
-    dropout_on = train and config.attn_dropout > 0
-    if config.attention != "auto":
+    dropout_on = train and config.attention.dropout > 0
+    if config.attention.kernel != "auto":
         return _requested(config, backend, masked, dropout_on)
     if dropout_on:
         if backend == "cpu":
             return "dense", "attention-weight dropout is active in training; on a CPU the dense kernel applies it"
         return "unfused", (
             "attention-weight dropout is active in training and the fused kernels have none: set "
-            "model.block.attn_dropout=0 for the fused kernel (the accelerator configs do; docs/accelerators.md)"
+            "model.block.attention.dropout=0 for the fused kernel (the accelerator configs do; docs/accelerators.md)"
         )
     context = context_rule(length)  # the sequence split over a mesh axis (jaxblock/attention/context.py)
     if context is not None:
@@ -60,9 +60,9 @@ def choose_implementation(
         if segments and not window and not attn_mask:
             return "pallas_gpu", f"{why}; packed rows: JAX's Pallas GPU kernel takes segment ids"
         return "xla", why
-    if length is not None and length >= 4 * config.attn_chunk_size:
+    if length is not None and length >= 4 * config.attention.chunk_size:
         return "chunked", (
-            f"{why}; L={length} >= 4 key blocks of {config.attn_chunk_size}: chunked attention, "
+            f"{why}; L={length} >= 4 key blocks of {config.attention.chunk_size}: chunked attention, "
             "memory linear in L, no [L, L] scores"
         )
     return "dense", f"{why}; on a CPU the dense kernel (hand-written backward) beats XLA's"
@@ -75,7 +75,7 @@ def layer_kernels(
     """(implementation, reason) for each of the stack's B layers, as SelfAttention will choose them for
     a call of length L. Unscanned, a global layer among windowed ones has no window; scanned, every layer
     gets its window as a traced value, so all count as windowed."""
-    windows = config.per_layer.get("window")
+    windows = config.layers.per_layer.get("window")
     return [
         choose_implementation(config.block, train=train, backend=backend, segments=segments,
                               window=windows is not None and (config.scan_layers or windows[i] >= 0),
@@ -91,9 +91,9 @@ class _MaskKinds(NamedTuple):
 
 
 def _requested(config: BlockConfig, backend: str, masked: _MaskKinds, dropout_on: bool) -> tuple[str, str]:
-    name = config.attention
+    name = config.attention.kernel
     if name in ("xla", "cudnn", "chunked", "splash", "pallas_gpu") and dropout_on:
-        return "unfused", f"attention='{name}' has no attention-weight dropout; unfused ran"
+        return "unfused", f"attention.kernel='{name}' has no attention-weight dropout; unfused ran"
     if name == "cudnn":
         why = _cudnn_blocker(config, backend, masked)
         if why:
@@ -102,15 +102,17 @@ def _requested(config: BlockConfig, backend: str, masked: _MaskKinds, dropout_on
         if masked.attn_mask:
             return "xla", "splash requested but an arbitrary attn_mask is present (splash takes static masks); XLA ran"
         if backend != "tpu":
-            return "splash", f"attention='splash' requested; backend is {backend}: Pallas interpret mode (slow)"
+            return "splash", f"attention.kernel='splash' requested; backend is {backend}: Pallas interpret mode (slow)"
     if name == "pallas_gpu":
         if masked.window or masked.attn_mask:
             return "xla", (
                 "pallas_gpu requested but a window or attn_mask is present (it takes segment ids and causal); XLA ran"
             )
         if backend != "gpu":
-            return "pallas_gpu", f"attention='pallas_gpu' requested; backend is {backend}: Pallas interpret mode (slow)"
-    return name, f"attention='{name}' requested"
+            return "pallas_gpu", (
+                f"attention.kernel='pallas_gpu' requested; backend is {backend}: Pallas interpret mode (slow)"
+            )
+    return name, f"attention.kernel='{name}' requested"
 
 
 def _cudnn_blocker(config: BlockConfig, backend: str, masked: _MaskKinds) -> str | None:

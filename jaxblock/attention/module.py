@@ -40,12 +40,12 @@ class SelfAttention(nn.Module):
     """Multi-head self-attention. Call: (x [N, L, D], valid_tokens bool[N, L]) -> [N, L, D]."""
 
     config: BlockConfig
-    # The stack's distinct per-layer windows (StackConfig.window_choices): kernels that need a static window
+    # The stack's distinct per-layer windows (LayersConfig.window_choices): kernels that need a static window
     # (splash) pick among them when the window arrives traced (a scanned stack).
     window_choices: tuple[int, ...] = ()
 
     def setup(self) -> None:
-        cfg = self.config
+        cfg, att = self.config, self.config.attention
         d, h, g, k = cfg.model_dim, cfg.num_heads, cfg.kv_heads, cfg.head_dim
         xavier = math.sqrt(6.0 / (d + 3 * d))  # PyTorch's in_proj_weight is one [3D, D] matrix
         zero_bias = bias_init(cfg.init, d, ("heads", "head_dim"), zero=True)
@@ -72,7 +72,7 @@ class SelfAttention(nn.Module):
             (h, k, d), kernel_init(cfg.init, d, (0, 1), 2, ("heads", "head_dim", "embed")),
             (d,), bias_init(cfg.init, d, ("embed",), zero=True), cfg.has_out_bias,
         )
-        self.weights_dropout = _WeightsDropout(cfg.attn_dropout)
+        self.weights_dropout = _WeightsDropout(att.dropout)
 
     def __call__(
         self,
@@ -87,8 +87,8 @@ class SelfAttention(nn.Module):
         train: bool = False,
     ) -> jax.Array:
         """window: int scalar, keys at most this far on either side (-1: all); rope_base: float scalar
-        replacing config.rope_base (both per layer, from StackConfig's layer_windows / layer_rope_bases)."""
-        cfg = self.config
+        replacing config.attention.rope_base (both per layer, from StackConfig's layers.window / layers.rope_base)."""
+        cfg, att = self.config, self.config.attention
         chex.assert_rank(x, 3)
         chex.assert_axis_dimension(x, 2, cfg.model_dim)
         masks.check_valid_tokens(valid_tokens, x.shape[:2])
@@ -103,11 +103,11 @@ class SelfAttention(nn.Module):
         # Padded positions may hold anything (even NaN from an out-of-range pad id). Their keys are
         # masked, but weight 0 times a NaN value is NaN, so their values are cleared too.
         v = jnp.where(valid_tokens[:, :, None, None], v, jnp.zeros((), v.dtype))
-        if cfg.rope:
+        if att.rope:
             if positions is None:
                 positions = jnp.broadcast_to(jnp.arange(length), (n, length))
-            inv = None if cfg.rope_scaling is None else rope_frequencies(cfg.head_dim, cfg.rope_base, cfg.rope_scaling)
-            base: Any = cfg.rope_base if rope_base is None else rope_base
+            inv = None if att.rope_scaling is None else rope_frequencies(cfg.head_dim, att.rope_base, att.rope_scaling)
+            base: Any = att.rope_base if rope_base is None else rope_base
             q = apply_rope(q, positions, base, inv)
             k = apply_rope(k, positions, base, inv)
 
@@ -121,35 +121,35 @@ class SelfAttention(nn.Module):
         )
         if impl == "context":
             ctx = context_attention(
-                q, k, v, valid_tokens, causal=cfg.causal, attn_mask=attn_mask,
-                segment_ids=segment_ids, chunk_size=cfg.attn_chunk_size, window=window,
+                q, k, v, valid_tokens, causal=att.causal, attn_mask=attn_mask,
+                segment_ids=segment_ids, chunk_size=att.chunk_size, window=window,
             )
         elif impl == "splash":
             ctx = splash_attention(
-                q, k, v, valid_tokens, causal=cfg.causal, segment_ids=segment_ids, window=window,
+                q, k, v, valid_tokens, causal=att.causal, segment_ids=segment_ids, window=window,
                 window_choices=self.window_choices,
             )
         elif impl == "pallas_gpu":
-            ctx = pallas_gpu_attention(q, k, v, valid_tokens, causal=cfg.causal, segment_ids=segment_ids)
+            ctx = pallas_gpu_attention(q, k, v, valid_tokens, causal=att.causal, segment_ids=segment_ids)
         elif impl == "chunked":
             ctx = chunked_attention(
-                q, k, v, valid_tokens, causal=cfg.causal, attn_mask=attn_mask,
-                segment_ids=segment_ids, chunk_size=cfg.attn_chunk_size, window=window,
+                q, k, v, valid_tokens, causal=att.causal, attn_mask=attn_mask,
+                segment_ids=segment_ids, chunk_size=att.chunk_size, window=window,
             )
         else:
             mask = masks.attention_mask(
-                valid_tokens, causal=cfg.causal, attn_mask=attn_mask, segment_ids=segment_ids, window=window
+                valid_tokens, causal=att.causal, attn_mask=attn_mask, segment_ids=segment_ids, window=window
             )  # [N, 1, L, L]
             if impl == "unfused":
                 ctx = self._unfused(q, k, v, mask, train)
             elif impl == "dense":
                 keep = None
-                if train and cfg.attn_dropout > 0:
+                if train and att.dropout > 0:
                     keep = self.weights_dropout.keep((n, cfg.kv_heads, cfg.num_heads // cfg.kv_heads, length, length))
-                seen = masks.sees_a_key(mask, valid_tokens, causal=cfg.causal, plain=not extra)
-                ctx = dense_attention(q, k, v, mask, seen, keep, cfg.attn_dropout)
+                seen = masks.sees_a_key(mask, valid_tokens, causal=att.causal, plain=not extra)
+                ctx = dense_attention(q, k, v, mask, seen, keep, att.dropout)
             else:
-                ctx = fused_attention(q, k, v, mask, valid_tokens, impl, causal=cfg.causal, plain=not extra)
+                ctx = fused_attention(q, k, v, mask, valid_tokens, impl, causal=att.causal, plain=not extra)
         ctx = nn.with_logical_constraint(ctx, ("batch", "length", "act_heads", None))  # [N, L, H, K]
         out_k, out_b = self.out()
         y = jnp.einsum("NLHK,HKD->NLD", ctx.astype(dt), out_k.astype(dt))
@@ -162,7 +162,7 @@ class SelfAttention(nn.Module):
         dt = cfg.compute_dtype
         (qk, qb), (kk, kb), (vk, vb) = self.query(), self.key(), self.value()
         h, g = cfg.num_heads, cfg.kv_heads
-        if cfg.fused_qkv and g == h:
+        if cfg.attention.fused_qkv and g == h:
             w = jnp.concatenate([qk, kk, vk], axis=1).astype(dt)  # [D, 3H, K]
             qkv = jnp.einsum("NLD,DHK->NLHK", x, w)  # [N, L, 3H, K]
             if qb is not None and kb is not None and vb is not None:

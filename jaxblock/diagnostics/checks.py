@@ -213,7 +213,8 @@ def train_eval_determinism(model: nn.Module, variables: Any, batch: Batch, *, se
     is positive, differs between keys and from eval (with none, training equals eval)."""
     model, v = prepare(model, variables)
     cfg, bcfg = model.config, block_config(model)
-    rates = [bcfg.attn_dropout, bcfg.ffn_dropout, bcfg.residual_dropout, getattr(cfg, "embed_dropout", 0.0)]
+    embedding = getattr(cfg, "embedding", None)
+    rates = [bcfg.attention.dropout, bcfg.ffn_dropout, bcfg.residual_dropout, embedding.dropout if embedding else 0.0]
     k1, k2 = jax.random.split(jax.random.key(seed))
 
     def run(train: bool, key: jax.Array | None = None) -> np.ndarray:

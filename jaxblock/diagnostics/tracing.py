@@ -60,8 +60,9 @@ def block_config(model: nn.Module) -> Any:
 
 
 def skipped_norms(model: nn.Module, num_layers: int) -> list[frozenset[str]]:
-    """Per layer, the norm modules the stack's per-layer settings bypass (layer_attn_norm False: attn_norm)."""
-    flags = getattr(model.config, "layer_attn_norm", None) or (True,) * num_layers
+    """Per layer, the norm modules the stack's per-layer settings bypass (layers.attn_norm False: attn_norm)."""
+    layers = getattr(model.config, "layers", None)
+    flags = (layers.attn_norm if layers is not None else None) or (True,) * num_layers
     return [frozenset() if keep else frozenset({"attn_norm"}) for keep in flags]
 
 

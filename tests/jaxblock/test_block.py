@@ -183,7 +183,7 @@ def test_post_ln_output_is_normalized_per_token_and_pre_ln_output_is_not():
 
 
 def test_eval_is_deterministic_and_training_draws_differ_by_key():
-    cfg = _cfg(attn_dropout=0.2, ffn_dropout=0.2, residual_dropout=0.2)
+    cfg = _cfg(attention=dict(dropout=0.2), ffn_dropout=0.2, residual_dropout=0.2)
     params, x = _params(cfg), _x()
     eval_a, eval_b = _apply(cfg, params, x), _apply(cfg, params, x, rngs={"dropout": jax.random.key(5)})
     np.testing.assert_array_equal(np.asarray(eval_a), np.asarray(eval_b))
@@ -203,9 +203,9 @@ def test_without_dropout_training_equals_eval():
     )
 
 
-@pytest.mark.parametrize("site", ["attn_dropout", "ffn_dropout", "residual_dropout"])
+@pytest.mark.parametrize("site", ["attention.dropout", "ffn_dropout", "residual_dropout"])
 def test_each_dropout_site_alone_changes_the_training_output(site):
-    cfg = _cfg(**{site: 0.5})
+    cfg = _cfg(attention=dict(dropout=0.5)) if site == "attention.dropout" else _cfg(**{site: 0.5})
     params, x = _params(cfg), _x()
     y_eval, r_eval = _intermediates(cfg, params, x)
     y_train, r_train = _intermediates(cfg, params, x, train=True, rngs={"dropout": jax.random.key(0)})
@@ -277,7 +277,7 @@ def test_bfloat16_computes_in_bf16_with_float32_params():
 
 @pytest.mark.parametrize("impl", ["xla", "unfused", "chunked", "dense"])
 def test_fully_masked_row_is_finite_and_its_attention_branch_is_the_out_bias(impl):
-    cfg = _cfg(attention=impl, attn_chunk_size=2)
+    cfg = _cfg(attention=dict(kernel=impl, chunk_size=2))
     params, x = _params(cfg), _x()
     valid = VALID.at[0].set(False)
     y, r = _intermediates(cfg, params, x, valid)

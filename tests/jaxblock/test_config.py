@@ -4,7 +4,15 @@ import pytest
 from pydantic import ValidationError
 
 from jaxblock import BlockConfig, EncoderConfig, StackConfig
-from jaxblock.config import format_validation_error
+from jaxblock.config import (
+    RENAMED,
+    AttentionConfig,
+    EmbeddingConfig,
+    PoolerConfig,
+    format_validation_error,
+    migrate_model,
+    renamed,
+)
 
 
 def _error_line(**kwargs) -> str:
@@ -49,9 +57,10 @@ def test_unknown_key_is_named_with_the_fix():
     assert _error_line(model_dimm=8) == "unknown key 'model_dimm': remove it or check its spelling"
 
 
-@pytest.mark.parametrize("field", ["attn_dropout", "ffn_dropout", "residual_dropout"])
+@pytest.mark.parametrize("field", ["attention.dropout", "ffn_dropout", "residual_dropout"])
 def test_negative_dropout_names_the_field_and_the_bad_value(field):
-    line = _error_line(**{field: -0.1})
+    group, _, name = field.rpartition(".")
+    line = _error_line(**({group: {name: -0.1}} if group else {name: -0.1}))
     assert line.startswith(f"{field}:") and "greater than or equal to 0" in line and "-0.1" in line
 
 
@@ -71,16 +80,62 @@ def test_nested_block_error_is_located_under_block():
     assert _error_line(cls=EncoderConfig, block=dict(model_dim=8, typo=1)).startswith("unknown key 'block.typo'")
 
 
-def test_rope_follows_positions_and_a_stray_block_rope_is_rejected():
-    cfg = EncoderConfig(positions="rope", block=dict(model_dim=16, num_heads=2, ffn_dim=32))
-    assert cfg.block.rope
-    # The block given as a model, not a dict, is updated the same way.
-    cfg2 = EncoderConfig(positions="rope", block=BlockConfig(model_dim=16, num_heads=2, ffn_dim=32))
-    assert cfg2.block.rope
-    line = _error_line(cls=EncoderConfig, block=dict(model_dim=16, num_heads=2, rope=True))
-    assert "positions='learned'" in line and "set positions='rope'" in line
-    line = _error_line(cls=EncoderConfig, positions="rope", block=dict(model_dim=6, num_heads=2))
+def test_rope_is_said_once_in_the_attention_and_added_positions_are_refused_beside_it():
+    rope = dict(model_dim=16, num_heads=2, ffn_dim=32, attention=dict(rope=True))
+    cfg = EncoderConfig(block=rope, embedding=dict(positions="none"))
+    assert cfg.block.attention.rope and cfg.embedding.positions == "none"
+    line = _error_line(cls=EncoderConfig, block=rope)  # the default learned table would add positions too
+    assert "embedding.positions='learned'" in line and "set embedding.positions=none" in line
+    line = _error_line(cls=EncoderConfig, embedding=dict(positions="rope"))
+    assert line == "embedding.positions='rope' is now embedding.positions=none and block.attention.rope=true"
+    line = _error_line(attention=dict(rope=True), model_dim=6, num_heads=2)
     assert "even head width" in line and "got model_dim/num_heads=3" in line
+
+
+def test_every_group_is_optional_and_takes_dicts():
+    cfg = EncoderConfig(block=dict(model_dim=32, attention=dict(dropout=0.1)), pooler=dict(pooling="cls"))
+    assert cfg.block.attention.dropout == 0.1 and cfg.block.num_heads == 4 and cfg.pooler.has_dense
+    assert cfg.embedding == EmbeddingConfig() and cfg.layers.per_layer == {}
+    assert BlockConfig(attention=AttentionConfig(kernel="xla")).with_kernel("dense").attention.kernel == "dense"
+    assert not PoolerConfig(pooling="cls", dense=False).has_dense and PoolerConfig(dense=True).has_dense
+
+
+@pytest.mark.parametrize(("kwargs", "cls", "line"), [
+    (dict(block=dict(attn_dropout=0.1)), EncoderConfig,
+     "unknown key 'block.attn_dropout': it is now block.attention.dropout"),
+    (dict(attn_dropout=0.1), BlockConfig, "unknown key 'attn_dropout': it is now attention.dropout"),
+    (dict(attention="xla"), BlockConfig, "unknown key 'attention': it is now attention.kernel"),
+    (dict(pooling="cls"), EncoderConfig, "unknown key 'pooling': it is now pooler.pooling"),
+    (dict(pooler="dense"), EncoderConfig, "unknown key 'pooler': it is now pooler.dense=true"),
+    (dict(positions="rope"), EncoderConfig,
+     "unknown key 'positions': it is now embedding.positions=none and block.attention.rope=true"),
+    (dict(layer_windows=(1, None)), EncoderConfig, "unknown key 'layer_windows': it is now layers.window"),
+    (dict(embed_dim=8), EncoderConfig, "unknown key 'embed_dim': it is now embedding.dim"),
+])
+def test_a_key_of_the_flat_layout_is_refused_with_its_new_key(kwargs, cls, line):
+    assert _error_line(cls=cls, **kwargs) == line
+
+
+def test_every_old_key_has_a_new_home_that_exists():
+    for old in RENAMED:
+        for new, _ in renamed(old, "rope" if old == "positions" else "dense" if old == "pooler" else 1):
+            *groups, name = new.split(".")
+            cls: type = EncoderConfig
+            for group in groups:
+                cls = cls.model_fields[group].annotation
+            assert name in cls.model_fields, (old, new)
+
+
+def test_a_dumped_config_of_the_flat_layout_migrates_to_the_same_config():
+    old = {"num_layers": 2, "positions": "rope", "pooler": "none", "pooling": "cls", "embed_dropout": 0.1,
+           "layer_windows": [2, None], "block": {"model_dim": 16, "num_heads": 2, "rope": True, "causal": True,
+                                                 "attention": "chunked", "attn_chunk_size": 4}}
+    cfg = EncoderConfig.model_validate(migrate_model(old))
+    assert cfg == EncoderConfig(
+        num_layers=2, embedding=dict(positions="none", dropout=0.1), pooler=dict(pooling="cls", dense=False),
+        layers=dict(window=(2, None)),
+        block=dict(model_dim=16, num_heads=2, attention=dict(rope=True, causal=True, kernel="chunked", chunk_size=4)))
+    assert migrate_model(cfg.model_dump(mode="json")) == cfg.model_dump(mode="json")  # the new layout stays
 
 
 def test_final_norm_default_follows_the_placement():

@@ -155,7 +155,7 @@ def checks(model: nn.Module, variables: Any, batch: Any) -> dict[str, dg.CheckRe
 
 @pytest.mark.parametrize("norm", ["pre", "post"])
 def test_all_checks_pass_on_the_classifier(norm: str) -> None:
-    model = classifier(norm, embed_dropout=0.1)
+    model = classifier(norm, embedding=dict(dropout=0.1))
     batch = token_batch()
     d = dg.run_all(model, model.init(jax.random.key(0), batch["tokens"], batch["valid_tokens"]), batch,
                    classification_loss)

@@ -336,9 +336,9 @@ def test_non_finite_padding_never_reaches_real_outputs_or_logits():
 
 @pytest.mark.parametrize("norm", ["pre", "post"])
 def test_with_xla_attention_the_stack_is_plain_jax_and_forward_mode_autodiff_agrees(norm):
-    """No custom derivative anywhere outside the attention kernels: with attention='xla' the whole stack's
+    """No custom derivative anywhere outside the attention kernels: with attention.kernel='xla' the whole stack's
     jaxpr holds none, and forward mode (jax.jvp) agrees with reverse mode."""
-    cfg = StackConfig(num_layers=2, block={**BLOCK, "norm": norm, "attention": "xla"})
+    cfg = StackConfig(num_layers=2, block={**BLOCK, "norm": norm, "attention": {"kernel": "xla"}})
     model = EncoderStack(cfg)
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.normal(size=(N, L, D)), jnp.float32)

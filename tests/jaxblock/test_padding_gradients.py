@@ -32,7 +32,7 @@ BAD_IDS = {"too_large": V + 88, "negative": -5, "int_max": np.iinfo(np.int32).ma
 
 
 def _block(impl: str, norm: str = "pre") -> dict:
-    return dict(model_dim=D, num_heads=2, ffn_dim=16, attention=impl, attn_chunk_size=4, norm=norm)
+    return dict(model_dim=D, num_heads=2, ffn_dim=16, attention=dict(kernel=impl, chunk_size=4), norm=norm)
 
 
 def _variables(module, *args, **kw) -> dict:
@@ -126,8 +126,8 @@ def test_stack_gradients_ignore_non_finite_padded_inputs(impl, packed):
 
 
 def _ecfg(impl: str, positions: str = "learned") -> EncoderConfig:
-    return EncoderConfig(vocab_size=V, max_len=L, num_layers=2, num_classes=3, positions=positions,
-                         block=_block(impl))
+    return EncoderConfig(vocab_size=V, max_len=L, num_layers=2, num_classes=3, block=_block(impl),
+                         embedding=dict(positions=positions))
 
 
 def _bad_ids() -> list:

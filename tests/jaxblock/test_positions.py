@@ -73,8 +73,10 @@ def _encoder_params(cfg: EncoderConfig) -> dict:
     "positions,equivariant", [("none", True), ("learned", False), ("sinusoidal", False), ("rope", False)]
 )
 def test_only_positions_none_is_permutation_equivariant(positions, equivariant):
+    rope = positions == "rope"
     cfg = EncoderConfig(
-        vocab_size=11, max_len=L, num_layers=2, positions=positions, block=dict(model_dim=D, num_heads=2, ffn_dim=16)
+        vocab_size=11, max_len=L, num_layers=2, embedding=dict(positions="none" if rope else positions),
+        block=dict(model_dim=D, num_heads=2, ffn_dim=16, attention=dict(rope=rope)),
     )
     params = _encoder_params(cfg)
     assert ("pos_embedding" in params) == (positions == "learned")

@@ -167,8 +167,7 @@ def _lower_call(call: str, run: shapes.Abstract, batch: dict[str, Any], shapes_t
         if not ("cuDNN" in str(err) and any(layer.kernel == "cudnn" for layer in promised)):
             return CallResult(call, shapes_text, False, one_line_error(err), promised)
         # No CUDA plugin here: lower the call with the kernel the dispatch runs without cuDNN.
-        fallback = config.model_copy(update={"model": config.model.model_copy(update={
-            "block": config.model.block.model_copy(update={"attention": "xla"})})})
+        fallback = config.model_copy(update={"model": config.model.with_kernel("xla")})
         with kernel_context(mesh, rules, strategy, platform):
             substitute = [(x.kernel, x.reason) for x in check_layers(fallback, call, length, packed, None)]
         try:

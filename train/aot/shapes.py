@@ -148,7 +148,7 @@ def _hf_shape(spec: str) -> tuple[Any, str]:
     try:
         fam, hf_cfg = read_config(path)
         fields = fam.encoder_fields(hf_cfg, None)
-        model = EncoderConfig.model_validate(fields).model_copy(update=fam.head_fields(hf_cfg))
+        model = EncoderConfig.model_validate(fields | {"pooler": fam.head_fields(hf_cfg)})
     except (UnsupportedConfigError, FileNotFoundError) as err:
         raise ConfigError(f"model.init_from={spec}: {err}") from None
     except ValidationError as err:

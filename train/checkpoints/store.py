@@ -29,6 +29,7 @@ import orbax.checkpoint as ocp
 import yaml
 from orbax.checkpoint import checkpoint_managers
 
+from jaxblock.config import migrate_model
 from train.checkpoints import event_loops
 from train.config import CheckpointConfig, Config, ConfigError, config_from_dict
 from train.errors import CheckpointError, DamagedCheckpointError
@@ -192,15 +193,24 @@ def check_compatible(workdir: Path, step: int, params: Any) -> None:
 
 
 def read_run_config(workdir: Path) -> Config:
-    """The resolved config saved in a workdir (CheckpointError if missing)."""
+    """The resolved config saved in a workdir (CheckpointError if missing). A config.yaml written before
+    the model keys were grouped (jaxblock.config.RENAMED) reads in the new layout."""
     path = Path(workdir) / CONFIG_FILE
     if not path.is_file():
         raise CheckpointError(f"{workdir} holds no run ({CONFIG_FILE} missing): train first with "
                               f"python -m train --config CONFIG --workdir {workdir}")
     try:
-        return config_from_dict(yaml.safe_load(path.read_text()) or {})
+        return config_from_dict(migrate_run_config(yaml.safe_load(path.read_text()) or {}))
     except (yaml.YAMLError, ConfigError) as err:
         raise CheckpointError(f"{path} is not a valid run config ({err}): restore it from the run") from None
+
+
+def migrate_run_config(raw: Any) -> Any:
+    """A saved run config (dict) with its `model` section in the current key layout (jaxblock.config
+    .migrate_model): earlier runs keep loading, resuming and serving as `model.init_from`."""
+    if isinstance(raw, dict) and isinstance(raw.get("model"), dict):
+        return {**raw, "model": migrate_model(raw["model"])}
+    return raw
 
 
 def inference_state(model: nn.Module, params: Any) -> TrainState:

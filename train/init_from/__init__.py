@@ -9,7 +9,7 @@ pretrained part is exactly `Encoder`'s tree. What comes from the checkpoint:
 - the model's shape: every key of `model` that changes a parameter's shape or what the pretrained weights
   compute (widths, heads, layers, norms, activation, positions, biases, vocabulary, ...). A key the user
   sets to another value is refused in one line naming it and both values. The keys in FREE_KEYS (dropout,
-  pooling and head, dtypes, kernel, scan/remat, max_len within the checkpoint's positions) may be
+  pooling and head, dtypes, attention kernel, scan/remat, max_len within the checkpoint's positions) may be
   set; unset, they too come from the checkpoint (a BERT brings its dropout and its [CLS] pooler, a
   Llama-family model its last-token pooling);
 - the tokenizer: the run's `tokenizer/`, or the checkpoint's `tokenizer.json` (train.data.tokenizer
@@ -31,6 +31,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from pydantic import BaseModel
 
 from jaxblock.config import EncoderConfig
 from jaxblock.model import stack_layer_params, unstack_layer_params
@@ -50,23 +51,54 @@ INIT_DIR = "init"  # <workdir>/init/: the source's config and license, copied wh
 # weights compute; every other key is the checkpoint's. vocab_size is the checkpoint's too (set after the
 # tokenizer resolves it), and max_len is checked against the checkpoint's positions (learned or RoPE).
 FREE_KEYS = frozenset({
-    "init_from", "max_len", "num_classes", "pooling", "pooler_activation", "embed_dropout", "scan_layers", "remat",
-    "block.attn_dropout", "block.ffn_dropout", "block.residual_dropout", "block.attention",
-    "block.attn_chunk_size", "block.fused_qkv", "block.dtype", "block.param_dtype", "block.init",
+    "init_from", "max_len", "num_classes", "pooler.pooling", "pooler.activation", "embedding.dropout",
+    "scan_layers", "remat", "block.ffn_dropout", "block.residual_dropout", "block.dtype", "block.param_dtype",
+    "block.init", "block.attention.dropout", "block.attention.kernel", "block.attention.chunk_size",
+    "block.attention.fused_qkv",
 })
 
 
-def _flat(tree: dict[str, Any]) -> dict[str, Any]:
-    """EncoderConfig fields as dotted keys (one level: block.*); values stay as dumped."""
-    out = {k: v for k, v in tree.items() if k != "block"}
-    out |= {f"block.{k}": v for k, v in tree.get("block", {}).items()}
+def _group(cls: type[BaseModel], name: str) -> type[BaseModel] | None:
+    """The config class of key group `name` of `cls` (block, block.attention, embedding, ...), else None."""
+    field = cls.model_fields.get(name)
+    ann = field.annotation if field is not None else None
+    return ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
+
+
+def _flat(tree: dict[str, Any], cls: type[BaseModel] = EncoderConfig, prefix: str = "") -> dict[str, Any]:
+    """A dumped EncoderConfig as dotted keys (every group opened: block.attention.dropout); values stay as
+    dumped (a rope_scaling mapping is one value)."""
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        group = _group(cls, key)
+        if group is not None and isinstance(value, dict):
+            out |= _flat(value, group, f"{prefix}{key}.")
+        else:
+            out[f"{prefix}{key}"] = value
     return out
 
 
-def _set_keys(model: EncoderConfig) -> set[str]:
+def _nested(flat: dict[str, Any]) -> dict[str, Any]:
+    """The inverse of `_flat`."""
+    out: dict[str, Any] = {}
+    for key, value in flat.items():
+        *groups, name = key.split(".")
+        node = out
+        for group in groups:
+            node = node.setdefault(group, {})
+        node[name] = value
+    return out
+
+
+def _set_keys(model: BaseModel, prefix: str = "") -> set[str]:
     """The dotted keys of `model` given explicitly (in the YAML or an override), not left at defaults."""
-    keys = {k for k in model.model_fields_set if k != "block"}
-    return keys | {f"block.{k}" for k in model.block.model_fields_set} if "block" in model.model_fields_set else keys
+    keys: set[str] = set()
+    for name in model.model_fields_set:
+        if _group(type(model), name) is not None:
+            keys |= _set_keys(getattr(model, name), f"{prefix}{name}.")
+        else:
+            keys.add(f"{prefix}{name}")
+    return keys
 
 
 def drop_file_shape(config: Config, overrides: list[str]) -> Config:
@@ -89,14 +121,8 @@ def drop_file_shape(config: Config, overrides: list[str]) -> Config:
         if path[:1] == ["model"]:
             note(".".join(path[1:]), value)
     raw = config.model_dump(mode="json", exclude_unset=True)
-    model = raw.get("model", {})
-    block = model.get("block", {})
-    for key in [k for k in model if k != "block"]:
-        if key not in FREE_KEYS and key not in overridden:
-            del model[key]
-    for key in list(block):
-        if f"block.{key}" not in FREE_KEYS and f"block.{key}" not in overridden:
-            del block[key]
+    model = _flat(raw.get("model", {}), type(config.model))
+    raw["model"] = _nested({k: v for k, v in model.items() if k in FREE_KEYS or k in overridden})
     return config_from_dict(raw)
 
 
@@ -105,7 +131,7 @@ def adopt(config: Config, source: Source) -> Config:
     key that differs is refused (ConfigError naming it and both values); max_len must fit the
     checkpoint's positions (unset, it is the smaller of the default and the checkpoint's)."""
     src = source.model
-    mine = _flat(config.model.model_dump(mode="json"))
+    mine = _flat(config.model.model_dump(mode="json"), type(config.model))
     theirs = _flat(src.model_dump(mode="json"))
     given = _set_keys(config.model)
     merged: dict[str, Any] = {}
@@ -120,7 +146,7 @@ def adopt(config: Config, source: Source) -> Config:
         merged[key] = mine[key]
     # Learned positions end with the table; RoPE ends where the checkpoint's context (or sliding window,
     # which full attention reproduces only within it) ends. Sinusoidal and no positions have no end.
-    if src.positions in ("learned", "rope"):
+    if src.embedding.positions == "learned" or src.block.attention.rope:
         if "max_len" not in given:
             merged["max_len"] = min(mine["max_len"], src.max_len)
         elif mine["max_len"] > src.max_len:
@@ -128,8 +154,7 @@ def adopt(config: Config, source: Source) -> Config:
                 f"model.max_len={mine['max_len']} exceeds the {src.max_len} positions of the checkpoint of "
                 f"model.init_from={source.spec}: set model.max_len<={src.max_len} (and data.max_len, data.buckets "
                 "within it)")
-    model: dict[str, Any] = {k: v for k, v in merged.items() if not k.startswith("block.")}
-    model["block"] = {k.removeprefix("block."): v for k, v in merged.items() if k.startswith("block.")}
+    model = _nested(merged)
     model["init_from"] = source.spec
     raw = config.model_dump(mode="json")
     raw["model"] = model
@@ -177,7 +202,7 @@ def conform(encoder: Any, model: EncoderConfig, target: Any, spec: str) -> Any:
     parameter dtype. ConfigError naming the first parameter that still differs."""
     enc = dict(encoder)
     if "pos_embedding" in enc:
-        enc["pos_embedding"] = enc["pos_embedding"][: model.max_len + model.position_offset]
+        enc["pos_embedding"] = enc["pos_embedding"][: model.max_len + model.embedding.position_offset]
     stack = enc.get("stack", {})
     if model.scan_layers and "layers" not in stack:
         enc["stack"] = jax.tree.map(np.asarray, stack_layer_params(stack))

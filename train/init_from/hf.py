@@ -5,7 +5,7 @@ the fast tokenizer's `tokenizer.json` (`tokenizer.save_pretrained(dir)` writes i
 downloaded. Weights and config go through `jaxblock.interop.hf.load_pretrained` (every registered family:
 docs/families.md; anything it cannot express exactly is refused in one line), which needs neither torch nor
 transformers for safetensors weights (a pytorch_model.bin needs torch: one line says so). The
-padding id: RoBERTa's is position_offset - 1 (its padding_idx), else the tokenizer's padding token,
+padding id: RoBERTa's is embedding.position_offset - 1 (its padding_idx), else the tokenizer's padding token,
 config.json's pad_token_id, a [PAD]/<pad> token, or 0 (padding positions are masked, so any id in range
 computes the same; the checkpoint's own keeps ids what transformers would feed).
 """
@@ -66,8 +66,8 @@ def hf_source(spec: str) -> Source:
     return Source(spec, model, PretrainedTokenizer(tok, pad_id), encoder, files, record)
 
 def _pad_id(tok: HFTokenizer, model: EncoderConfig, raw: dict[str, Any]) -> int:
-    if model.position_offset:  # RoBERTa: positions start past padding_idx, which is the padding id
-        return model.position_offset - 1
+    if model.embedding.position_offset:  # RoBERTa: positions start past padding_idx, which is the padding id
+        return model.embedding.position_offset - 1
     if tok.padding is not None:
         return int(tok.padding["pad_id"])
     if raw.get("pad_token_id") is not None:

@@ -112,9 +112,9 @@ def resolve_labelled(config: Config, dataset: TaskData, num_classes: int) -> Con
     if raw["data"].get("path"):
         raw["data"]["path"] = str(Path(raw["data"]["path"]).expanduser().absolute())
     resolved = config_from_dict(raw)
-    if resolved.data.packing and resolved.model.pooling != "mean":
-        raise ConfigError(f"data.packing=true pools each packed example by its mean, but model.pooling="
-                          f"'{resolved.model.pooling}': set data.packing=false (or model.pooling=mean)")
+    if resolved.data.packing and resolved.model.pooler.pooling != "mean":
+        raise ConfigError(f"data.packing=true pools each packed example by its mean, but model.pooler.pooling="
+                          f"'{resolved.model.pooler.pooling}': set data.packing=false (or model.pooler.pooling=mean)")
     if resolved.data.buckets[-1] > resolved.model.max_len:
         raise ConfigError(
             f"model.max_len={resolved.model.max_len} is shorter than the largest bucket {resolved.data.buckets[-1]} "

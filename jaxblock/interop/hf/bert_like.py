@@ -3,12 +3,12 @@ XLM-RoBERTa, CamemBERT) and 'distilbert'. The family entries in families/ bind a
 
 These are Post-LN encoders: word (+ token-type) + learned position embeddings, an embedding LayerNorm,
 then blocks LN1(x + MHA(x)), LN2(u + FFN(u)), no final norm. RoBERTa counts positions from
-padding_idx + 1 (our `position_offset`); right-padded rows then get the same positions as in
+padding_idx + 1 (our `embedding.position_offset`); right-padded rows then get the same positions as in
 transformers at every real token. ELECTRA's embeddings may be narrower than the blocks (embedding_size,
-our embed_dim) and are then projected by `embeddings_project` (our embed_proj). The sequence-classification
+our embedding.dim) and are then projected by `embeddings_project` (our embed_proj). The sequence-classification
 heads all read token 0 ([CLS] / <s>): BERT's pooler dense+tanh then `classifier`, RoBERTa's
 `classifier.dense`+tanh then `classifier.out_proj`, ELECTRA's the same names with GELU, DistilBERT's
-`pre_classifier`+ReLU then `classifier`: our pooling='cls' with the matching activation.
+`pre_classifier`+ReLU then `classifier`: our pooler.pooling='cls' with the matching activation.
 """
 
 from __future__ import annotations
@@ -54,11 +54,12 @@ def encoder_fields(c: Any, max_len: int | None, *, layout: Layout) -> dict[str, 
     if max_len is not None and max_len > longest:
         raise refuse("max_len", max_len, f"the checkpoint has positions for {longest} tokens: pass at most that")
     return dict(
-        num_layers=layers, vocab_size=c.vocab_size, max_len=max_len or longest, positions="learned",
-        position_offset=offset, type_vocab_size=types, embed_norm=True, embed_dropout=drop, embed_dim=embed_dim,
+        num_layers=layers, vocab_size=c.vocab_size, max_len=max_len or longest,
+        embedding=dict(positions="learned", position_offset=offset, type_vocab_size=types, norm=True, dropout=drop,
+                       dim=embed_dim),
         block=dict(
             **dims, norm="post", norm_type="layernorm", norm_eps=eps, activation=_ACTIVATIONS[act],
-            use_bias=True, attn_dropout=attn_drop, residual_dropout=drop, ffn_dropout=0.0, init="torch",
+            use_bias=True, residual_dropout=drop, ffn_dropout=0.0, init="torch", attention=dict(dropout=attn_drop),
         ),
     )
 
@@ -107,42 +108,44 @@ def hf_config(
 ) -> dict[str, Any]:
     """EncoderConfig -> transformers config keyword arguments, refusing (one line, naming the field) what
     the family cannot hold."""
-    b = cfg.block
-    refuse_extras(cfg, family, allowed=("embed_dim",) if embed_proj else ())
+    b, a, e = cfg.block, cfg.block.attention, cfg.embedding
+    refuse_extras(cfg, family, allowed=("embedding.dim",) if embed_proj else ())
     checks: list[tuple[str, Any, bool, str]] = [
         ("block.norm", b.norm, b.norm != "post", "this family is Post-LN"),
         ("block.norm_type", b.norm_type, b.norm_type != "layernorm", "this family uses LayerNorm"),
         ("block.activation", b.activation, b.activation not in _ACTIVATIONS_BACK, "use gelu, gelu_tanh or relu"),
         ("block.use_bias", b.use_bias, not b.use_bias, "every projection and norm has a bias here"),
-        ("block.qkv_bias", b.qkv_bias, not b.has_qkv_bias, "q/k/v always have biases here"),
-        ("block.out_bias", b.out_bias, not b.has_out_bias, "the out-projection always has a bias here"),
+        ("block.attention.qkv_bias", a.qkv_bias, not b.has_qkv_bias, "q/k/v always have biases here"),
+        ("block.attention.out_bias", a.out_bias, not b.has_out_bias, "the out-projection always has a bias here"),
         ("block.num_kv_heads", b.num_kv_heads, b.kv_heads != b.num_heads, "no grouped-query attention here"),
-        ("block.causal", b.causal, b.causal, "this family is bidirectional"),
+        ("block.attention.causal", a.causal, a.causal, "this family is bidirectional"),
         ("block.ablate", b.ablate, b.ablate != "none", "both branches exist"),
         ("block.ffn_dropout", b.ffn_dropout, b.ffn_dropout != 0.0, "there is no dropout inside the FFN"),
         ("final_norm", cfg.final_norm, cfg.has_final_norm, "there is no norm after the last block"),
-        ("positions", cfg.positions, cfg.positions != "learned", "positions are a learned table"),
-        ("embed_norm", cfg.embed_norm, not cfg.embed_norm, "the embeddings are always normalized"),
-        ("embed_dropout", cfg.embed_dropout, cfg.embed_dropout != b.residual_dropout,
+        ("block.attention.rope", a.rope, a.rope, "positions are a learned table"),
+        ("embedding.positions", e.positions, e.positions != "learned", "positions are a learned table"),
+        ("embedding.norm", e.norm, not e.norm, "the embeddings are always normalized"),
+        ("embedding.dropout", e.dropout, e.dropout != b.residual_dropout,
          "one hidden dropout rate covers embeddings and residual branches: set them equal"),
     ]
     if layout == "distilbert":
         checks += [
             ("block.norm_eps", b.norm_eps, b.norm_eps != 1e-12, "DistilBERT's LayerNorm eps is fixed at 1e-12"),
             ("block.activation", b.activation, b.activation == "gelu_tanh", "DistilBERT has gelu or relu"),
-            ("type_vocab_size", cfg.type_vocab_size, cfg.type_vocab_size != 0, "DistilBERT has no token types"),
+            ("embedding.type_vocab_size", e.type_vocab_size, e.type_vocab_size != 0, "DistilBERT has no token types"),
         ]
     else:
-        checks.append(("type_vocab_size", cfg.type_vocab_size, cfg.type_vocab_size == 0, "needs at least 1 type"))
+        checks.append(("embedding.type_vocab_size", e.type_vocab_size, e.type_vocab_size == 0, "needs at least 1 type"))
     if layout == "roberta":
-        checks.append(("position_offset", cfg.position_offset, cfg.position_offset < 1,
+        checks.append(("embedding.position_offset", e.position_offset, e.position_offset < 1,
                        "RoBERTa's positions start at pad_token_id + 1 >= 1"))
     else:
-        checks.append(("position_offset", cfg.position_offset, cfg.position_offset != 0, "positions start at 0"))
+        checks.append(("embedding.position_offset", e.position_offset, e.position_offset != 0, "positions start at 0"))
     if classifier:
         checks += [
-            ("pooling", cfg.pooling, cfg.pooling != "cls", "the head reads the first token: use pooling='cls'"),
-            ("pooler_activation", cfg.pooler_activation, cfg.pooler_activation != pooler_activation,
+            ("pooler.pooling", cfg.pooler.pooling, cfg.pooler.pooling != "cls",
+             "the head reads the first token: use pooling='cls'"),
+            ("pooler.activation", cfg.pooler.activation, cfg.pooler.activation != pooler_activation,
              f"this head's activation is {pooler_activation}"),
         ]
     check_all(checks, family)
@@ -150,25 +153,26 @@ def hf_config(
     if layout == "distilbert":
         return common | dict(
             dim=b.model_dim, n_heads=b.num_heads, hidden_dim=b.ffn_dim, n_layers=cfg.num_layers,
-            activation=b.activation, dropout=b.residual_dropout, attention_dropout=b.attn_dropout,
+            activation=b.activation, dropout=b.residual_dropout, attention_dropout=a.dropout,
             max_position_embeddings=cfg.max_len, sinusoidal_pos_embds=False)
     kw = common | dict(
         hidden_size=b.model_dim, num_attention_heads=b.num_heads, intermediate_size=b.ffn_dim,
         num_hidden_layers=cfg.num_layers, hidden_act=_ACTIVATIONS_BACK[b.activation],
-        hidden_dropout_prob=b.residual_dropout, attention_probs_dropout_prob=b.attn_dropout,
-        max_position_embeddings=cfg.max_len + cfg.position_offset, type_vocab_size=cfg.type_vocab_size,
+        hidden_dropout_prob=b.residual_dropout, attention_probs_dropout_prob=a.dropout,
+        max_position_embeddings=cfg.max_len + e.position_offset, type_vocab_size=e.type_vocab_size,
         layer_norm_eps=b.norm_eps)
     if embed_proj:
         kw["embedding_size"] = cfg.embed_width
     if layout == "roberta":
-        kw["pad_token_id"] = cfg.position_offset - 1
+        kw["pad_token_id"] = e.position_offset - 1
     return kw
 
 
 def matches(cfg: EncoderConfig, *, layout: Layout) -> bool:
     """Whether to_hf should read this config as the layout's base family when none is named."""
-    if cfg.positions != "learned":
+    e = cfg.embedding
+    if e.positions != "learned":
         return False
     if layout == "roberta":
-        return cfg.position_offset > 0
-    return cfg.position_offset == 0 and bool(cfg.type_vocab_size) == (layout == "bert")
+        return e.position_offset > 0
+    return e.position_offset == 0 and bool(e.type_vocab_size) == (layout == "bert")

@@ -14,6 +14,7 @@ Every map is a transpose and/or reshape, hence linear: it converts gradients as 
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Literal, NamedTuple
 
 import numpy as np
@@ -87,23 +88,28 @@ def norm(hf_prefix: str, path: tuple[str, ...], *, bias: bool) -> list[Mapping]:
     return rows + ([Mapping(f"{hf_prefix}.bias", (*path, "bias"), "same")] if bias else [])
 
 
-# EncoderConfig fields that only some families hold, with the value meaning "not used".
+# EncoderConfig fields (dotted) that only some families hold, with the value meaning "not used".
 _EXTRAS: dict[str, tuple[Any, str]] = {
-    "embed_dim": (None, "the embeddings are as wide as the blocks"),
-    "layer_windows": (None, "every layer attends to every key"),
-    "layer_rope_bases": (None, "one RoPE base for every layer"),
-    "layer_attn_norm": (None, "every layer has its attention norm"),
-    "pooler_norm": (False, "the head has no norm after its pooler"),
-    "pooler_bias": (True, "the pooler dense has a bias"),
-    "pooler": ("auto", "a pooler dense only with pooling='cls'"),
+    "embedding.dim": (None, "the embeddings are as wide as the blocks"),
+    "layers.window": (None, "every layer attends to every key"),
+    "layers.rope_base": (None, "one RoPE base for every layer"),
+    "layers.attn_norm": (None, "every layer has its attention norm"),
+    "pooler.norm": (False, "the head has no norm after its pooler"),
+    "pooler.bias": (True, "the pooler dense has a bias"),
+    "pooler.dense": (None, "a pooler dense only with pooling='cls'"),
 }
+
+
+def field(cfg: Any, dotted: str) -> Any:
+    """The value of the dotted EncoderConfig key `dotted` (e.g. 'pooler.dense')."""
+    return functools.reduce(getattr, dotted.split("."), cfg)
 
 
 def refuse_extras(cfg: Any, family: str, *, allowed: tuple[str, ...] = ()) -> None:
     """Refuse (one line) any family-specific EncoderConfig field this family cannot hold."""
     for name, (unused, why) in _EXTRAS.items():
-        value = getattr(cfg, name)
-        if name not in allowed and value != unused and not (name == "embed_dim" and value == cfg.block.model_dim):
+        value = field(cfg, name)
+        if name not in allowed and value != unused and not (name == "embedding.dim" and value == cfg.block.model_dim):
             raise refuse(name, value, f"{family} cannot express it ({why})")
 
 

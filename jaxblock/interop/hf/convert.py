@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from pydantic import ValidationError
 
-from jaxblock.config import EncoderConfig, format_validation_error
+from jaxblock.config import EncoderConfig, PoolerConfig, format_validation_error
 from jaxblock.initializers import abstract_params
 from jaxblock.interop.hf.common import (
     Mapping,
@@ -151,15 +151,16 @@ def _build(cfg: EncoderConfig, sd: dict[str, np.ndarray], fam: Family, classifie
 
 def from_hf(
     source: Any, *, max_len: int | None = None, dtype: str = "float32", param_dtype: str = "float32",
-    attention: str = "auto",
+    kernel: str = "auto",
 ) -> Converted:
     """A transformers model object, or a local directory with config.json + *.safetensors
     (or pytorch_model.bin), -> (EncoderConfig, {"params": ...}); `.family` on the result names the family.
 
     *ForSequenceClassification models give Classifier variables (params: encoder, [pooler], head) and
-    the config's num_classes/pooling; any other architecture gives Encoder variables from its base model
+    the config's num_classes/pooler; any other architecture gives Encoder variables from its base model
     (a MaskedLM/CausalLM head or a base model's pooler is left out). `max_len` caps the positions
-    (default: all the checkpoint has); dtype is our compute dtype. Raises UnsupportedConfigError (one line
+    (default: all the checkpoint has); dtype is our compute dtype, kernel our block.attention.kernel.
+    Raises UnsupportedConfigError (one line
     naming the field) for what cannot be expressed exactly. A directory is read without torch/transformers.
     """
     if isinstance(source, str | Path):
@@ -171,11 +172,12 @@ def from_hf(
         classifier = _is_classifier(hf_cfg, source)
         sd = {k: _np(v) for k, v in source.state_dict().items()}
     fields = fam.encoder_fields(hf_cfg, max_len)
-    fields["block"] |= {"dtype": dtype, "param_dtype": param_dtype, "attention": attention}
+    fields["block"] |= {"dtype": dtype, "param_dtype": param_dtype}
+    fields["block"]["attention"] = fields["block"].get("attention", {}) | {"kernel": kernel}
     if classifier:
         if hf_cfg.num_labels < 2:
             raise refuse("num_labels", hf_cfg.num_labels, "a regression head (one label) is not a Classifier")
-        fields |= fam.head_fields(hf_cfg) | {"num_classes": hf_cfg.num_labels}
+        fields |= {"pooler": fields.get("pooler", {}) | fam.head_fields(hf_cfg), "num_classes": hf_cfg.num_labels}
     try:
         cfg = EncoderConfig.model_validate(fields)
     except ValidationError as err:
@@ -249,7 +251,7 @@ def load_pretrained(
     tokenizer.json path or None, license file path or None) from a local checkpoint directory;
     `.family` on the result names the family. Needs neither torch nor transformers (safetensors files).
 
-    The config's pooling is the family's own sequence-classification head's (pooling, pooler activation
+    The config's pooler is the family's own sequence-classification head's (pooling, activation
     and norm), so a Classifier built from it mirrors transformers' *ForSequenceClassification; its pooler
     and head start fresh (set num_classes). A classifier checkpoint gives its encoder only."""
     path = Path(path)
@@ -258,7 +260,8 @@ def load_pretrained(
     params = variables["params"]
     params = params.get("encoder", params)
     fam, hf_cfg = read_config(path)
-    cfg = cfg.model_copy(update=fam.head_fields(hf_cfg))
+    pooler = PoolerConfig.model_validate(cfg.pooler.model_dump() | fam.head_fields(hf_cfg))
+    cfg = cfg.model_copy(update={"pooler": pooler})
     tok = path / "tokenizer.json"
     lic = sorted(p for p in path.iterdir() if p.is_file() and p.name.lower().startswith(("license", "licence")))
     return Converted((cfg, params, tok if tok.is_file() else None, lic[0] if lic else None), fam.name)

@@ -59,7 +59,7 @@ class Family:
     encoder_fields  (HFConfig, max_len) -> EncoderConfig fields; raises UnsupportedConfigError (via `refuse`)
                     for anything not expressible exactly: that is what the family refuses on the way in
     encoder_map     EncoderConfig -> Mapping rows, transformers names without the prefix -> our Encoder paths
-    head_fields     HFConfig -> EncoderConfig fields of its *ForSequenceClassification head (pooling, pooler)
+    head_fields     HFConfig -> the PoolerConfig fields of its *ForSequenceClassification head (model.pooler)
     head_map        EncoderConfig -> Mapping rows, full transformers names of that head -> our Classifier paths
     hf_config       (EncoderConfig, classifier) -> transformers config keyword arguments; refuses (one line)
                     what transformers cannot hold: what the family refuses on the way out

@@ -3,9 +3,9 @@
 These are Pre-RMSNorm causal stacks: token embedding (no positions added), blocks
 x + Attn(RMSNorm(x)), u + SwiGLU(RMSNorm(u)) with rotary positions on q/k and grouped-query attention,
 and a final RMSNorm. transformers' rotary layout is rotate-half (q[:K/2], q[K/2:]), the same as ours,
-so q/k weights need no permutation. Qwen2 has q/k/v biases and no out bias (our qkv_bias/out_bias).
+so q/k weights need no permutation. Qwen2 has q/k/v biases and no out bias (our attention.qkv_bias/out_bias).
 The *ForSequenceClassification heads score every token with a bias-free `score` and read the last
-non-pad token: with right padding that is our pooling='last'.
+non-pad token: with right padding that is our pooler.pooling='last'.
 
 Only exact equivalents convert: RoPE types 'default', 'linear' and 'llama3' (any rope_theta), full-width
 rotary, head_dim = D / H, SiLU gate, no MLP bias; a sliding window only when it covers every position we allow.
@@ -78,20 +78,23 @@ def encoder_fields(c: Any, max_len: int | None, *, family: str) -> dict[str, Any
     attn_bias = bool(c.get("attention_bias", False))
     kv_heads = c.get("num_key_value_heads") or c.num_attention_heads  # None: as many as query heads
     return dict(
-        num_layers=c.num_hidden_layers, vocab_size=c.vocab_size, max_len=max_len or longest, positions="rope",
+        num_layers=c.num_hidden_layers, vocab_size=c.vocab_size, max_len=max_len or longest,
+        embedding=dict(positions="none"),
         block=dict(
             model_dim=c.hidden_size, num_heads=c.num_attention_heads, num_kv_heads=kv_heads,
             ffn_dim=c.intermediate_size, norm="pre", norm_type="rmsnorm", norm_eps=c.rms_norm_eps,
-            activation="swiglu", use_bias=False, qkv_bias=True if family == "qwen2" else attn_bias,
-            out_bias=False if family == "qwen2" else attn_bias, causal=True, rope=True, rope_base=base,
-            rope_scaling=scaling,
-            attn_dropout=float(c.attention_dropout or 0.0), init="torch",
+            activation="swiglu", use_bias=False, init="torch",
+            attention=dict(
+                qkv_bias=True if family == "qwen2" else attn_bias, out_bias=False if family == "qwen2" else attn_bias,
+                causal=True, rope=True, rope_base=base, rope_scaling=scaling,
+                dropout=float(c.attention_dropout or 0.0),
+            ),
         ),
     )
 
 
 def head_fields(c: Any) -> dict[str, Any]:
-    return {"pooling": "last"}
+    return {"pooling": "last"}  # PoolerConfig fields
 
 
 def encoder_map(cfg: EncoderConfig) -> list[Mapping]:
@@ -115,8 +118,8 @@ def head_map(cfg: EncoderConfig) -> list[Mapping]:
 
 
 def _rope_parameters(cfg: EncoderConfig) -> dict[str, Any]:
-    out: dict[str, Any] = {"rope_type": "default", "rope_theta": cfg.block.rope_base}
-    sc = cfg.block.rope_scaling
+    out: dict[str, Any] = {"rope_type": "default", "rope_theta": cfg.block.attention.rope_base}
+    sc = cfg.block.attention.rope_scaling
     if sc is not None:
         out |= {"rope_type": sc.type, "factor": sc.factor}
         if sc.type == "llama3":
@@ -127,7 +130,7 @@ def _rope_parameters(cfg: EncoderConfig) -> dict[str, Any]:
 
 def hf_config(cfg: EncoderConfig, classifier: bool, *, family: str) -> dict[str, Any]:
     """EncoderConfig -> transformers config keyword arguments, refusing what the family cannot hold."""
-    b = cfg.block
+    b, a, e = cfg.block, cfg.block.attention, cfg.embedding
     refuse_extras(cfg, family)
     qkv, out = b.has_qkv_bias, b.has_out_bias
     bias_ok = (qkv and not out) if family == "qwen2" else qkv == out
@@ -137,18 +140,19 @@ def hf_config(cfg: EncoderConfig, classifier: bool, *, family: str) -> dict[str,
         ("block.norm_type", b.norm_type, b.norm_type != "rmsnorm", "this family uses RMSNorm"),
         ("block.activation", b.activation, b.activation != "swiglu", "the FFN is SwiGLU"),
         ("block.use_bias", b.use_bias, b.use_bias, "norms and FFN have no biases"),
-        ("block.qkv_bias", b.qkv_bias, not bias_ok,
+        ("block.attention.qkv_bias", a.qkv_bias, not bias_ok,
          "Qwen2 has q/k/v biases without an out bias" if family == "qwen2" else "q/k/v/o biases go together"),
-        ("block.causal", b.causal, not b.causal, "this family is causal"),
-        ("positions", cfg.positions, cfg.positions != "rope", "positions are rotary"),
+        ("block.attention.causal", a.causal, not a.causal, "this family is causal"),
+        ("block.attention.rope", a.rope, not a.rope, "positions are rotary"),
         ("final_norm", cfg.final_norm, not cfg.has_final_norm, "there is a final norm"),
-        ("embed_norm", cfg.embed_norm, cfg.embed_norm, "the embedding is not normalized"),
-        ("type_vocab_size", cfg.type_vocab_size, cfg.type_vocab_size != 0, "there are no token types"),
+        ("embedding.norm", e.norm, e.norm, "the embedding is not normalized"),
+        ("embedding.type_vocab_size", e.type_vocab_size, e.type_vocab_size != 0, "there are no token types"),
         ("block.ablate", b.ablate, b.ablate != "none", "both branches exist"),
         ("block.ffn_dropout", b.ffn_dropout, b.ffn_dropout != 0.0, only_attn),
         ("block.residual_dropout", b.residual_dropout, b.residual_dropout != 0.0, only_attn),
-        ("embed_dropout", cfg.embed_dropout, cfg.embed_dropout != 0.0, only_attn),
-        ("pooling", cfg.pooling, classifier and cfg.pooling != "last", "the head reads the last token"),
+        ("embedding.dropout", e.dropout, e.dropout != 0.0, only_attn),
+        ("pooler.pooling", cfg.pooler.pooling, classifier and cfg.pooler.pooling != "last",
+         "the head reads the last token"),
         ("family", family, family == "mistral" and (qkv or out), "Mistral has no attention biases"),
     ]
     check_all(checks, family)
@@ -156,7 +160,7 @@ def hf_config(cfg: EncoderConfig, classifier: bool, *, family: str) -> dict[str,
         vocab_size=cfg.vocab_size, hidden_size=b.model_dim, intermediate_size=b.ffn_dim,
         num_hidden_layers=cfg.num_layers, num_attention_heads=b.num_heads, num_key_value_heads=b.kv_heads,
         hidden_act="silu", max_position_embeddings=cfg.max_len, rms_norm_eps=b.norm_eps,
-        rope_parameters=_rope_parameters(cfg), attention_dropout=b.attn_dropout,
+        rope_parameters=_rope_parameters(cfg), attention_dropout=a.dropout,
         num_labels=cfg.num_classes, tie_word_embeddings=False,
     )
     if family == "llama":
@@ -169,7 +173,7 @@ def hf_config(cfg: EncoderConfig, classifier: bool, *, family: str) -> dict[str,
 def matches(cfg: EncoderConfig, *, family: str) -> bool:
     """Whether to_hf should read this config as `family` when none is named (Mistral only when named)."""
     b = cfg.block
-    if cfg.positions != "rope":
+    if not b.attention.rope:
         return False
     qwen = b.has_qkv_bias and not b.has_out_bias
     return qwen if family == "qwen2" else (family == "llama" and not qwen)

@@ -81,7 +81,8 @@ def compare(
     cfg, variables = from_hf(model, dtype=dtype)
     tokens = np.asarray(tokens, np.int32)
     valid = np.ones(tokens.shape, bool) if valid_tokens is None else np.asarray(valid_tokens, bool)
-    types = None if token_type_ids is None or not cfg.type_vocab_size else np.asarray(token_type_ids, np.int32)
+    has_types = token_type_ids is not None and cfg.embedding.type_vocab_size
+    types = np.asarray(token_type_ids, np.int32) if has_types else None
     classifier = "encoder" in variables["params"]
     ftol, gtol = TOLERANCES[dtype]
     ftol, gtol = forward_tol or ftol, grad_tol or gtol

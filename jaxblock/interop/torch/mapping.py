@@ -16,7 +16,7 @@ A single layer is mapped as a stack of one without a final norm: `layers.0.*` <-
 with the prefix dropped at the boundary.
 
 Causal attention is a call-time argument in PyTorch (`is_causal=True` plus a causal `src_mask`),
-not a module attribute, so `from_torch` returns causal=False and `to_torch` refuses causal=True;
+not a module attribute, so `from_torch` returns attention.causal=False and `to_torch` refuses it True;
 `torch_call_kwargs` builds the masks that reproduce our call on the PyTorch module.
 """
 
@@ -32,7 +32,7 @@ import torch
 from torch.nn import functional
 
 from jaxblock import masks
-from jaxblock.config import BlockConfig, StackConfig
+from jaxblock.config import AttentionConfig, BlockConfig, StackConfig
 from jaxblock.model import unstack_layer_params
 
 TORCH_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -81,7 +81,7 @@ def _layer_config(layer: torch.nn.TransformerEncoderLayer) -> BlockConfig:
         raise ValueError(f"parameters are {attn.in_proj_weight.dtype}: convert with module.float() first")
     return BlockConfig(
         model_dim=attn.embed_dim, num_heads=attn.num_heads, ffn_dim=layer.linear1.out_features,
-        attn_dropout=attn.dropout, ffn_dropout=attn.dropout, residual_dropout=attn.dropout,
+        attention=AttentionConfig(dropout=attn.dropout), ffn_dropout=attn.dropout, residual_dropout=attn.dropout,
         norm="pre" if layer.norm_first else "post", norm_eps=layer.norm1.eps,
         activation=_activation_name(layer.activation), use_bias=use_bias,
         dtype=dtype, param_dtype=dtype, init="torch",
@@ -90,10 +90,11 @@ def _layer_config(layer: torch.nn.TransformerEncoderLayer) -> BlockConfig:
 
 def _check_expressible(cfg: BlockConfig) -> None:
     """One-line ValueError naming the first field nn.TransformerEncoderLayer cannot express."""
-    rates = {cfg.attn_dropout, cfg.ffn_dropout, cfg.residual_dropout}
+    att = cfg.attention
+    rates = {att.dropout, cfg.ffn_dropout, cfg.residual_dropout}
     problems = [
         (cfg.kv_heads != cfg.num_heads, f"num_kv_heads={cfg.num_kv_heads} (GQA/MQA)", "leave num_kv_heads unset"),
-        (cfg.rope, "rope=True", "use learned or sinusoidal positions"),
+        (att.rope, "attention.rope=True", "use learned or sinusoidal positions"),
         (cfg.norm_type != "layernorm", f"norm_type='{cfg.norm_type}'", "use norm_type='layernorm'"),
         (cfg.is_glu, f"activation='{cfg.activation}' (gated FFN)", "use 'relu' or 'gelu'"),
         (cfg.activation == "gelu_tanh", "activation='gelu_tanh'", "use exact 'gelu'"),
@@ -101,12 +102,12 @@ def _check_expressible(cfg: BlockConfig) -> None:
         (cfg.ablate != "none", f"ablate='{cfg.ablate}'", "use ablate='none'"),
         (cfg.dtype != cfg.param_dtype, f"dtype='{cfg.dtype}' with param_dtype='{cfg.param_dtype}'",
          "set dtype equal to param_dtype (use torch.autocast for mixed precision)"),
-        (cfg.causal, "causal=True (PyTorch takes is_causal at call time)",
+        (att.causal, "attention.causal=True (PyTorch takes is_causal at call time)",
          "convert with causal=False and call with torch_call_kwargs(..., causal=True)"),
-        (cfg.has_qkv_bias != cfg.use_bias, f"qkv_bias={cfg.qkv_bias} with use_bias={cfg.use_bias}",
-         "PyTorch's bias= covers every sublayer: leave qkv_bias unset"),
-        (cfg.has_out_bias != cfg.use_bias, f"out_bias={cfg.out_bias} with use_bias={cfg.use_bias}",
-         "PyTorch's bias= covers every sublayer: leave out_bias unset"),
+        (cfg.has_qkv_bias != cfg.use_bias, f"attention.qkv_bias={att.qkv_bias} with use_bias={cfg.use_bias}",
+         "PyTorch's bias= covers every sublayer: leave attention.qkv_bias unset"),
+        (cfg.has_out_bias != cfg.use_bias, f"attention.out_bias={att.out_bias} with use_bias={cfg.use_bias}",
+         "PyTorch's bias= covers every sublayer: leave attention.out_bias unset"),
     ]
     for bad, what, fix in problems:
         if bad:
@@ -237,7 +238,7 @@ def from_torch(module: torch.nn.Module) -> tuple[BlockConfig | StackConfig, dict
     nn.TransformerEncoder -> (StackConfig, variables) for EncoderStack.
 
     Fields PyTorch has no notion of keep their defaults (attention kernel, fused_qkv), init is 'torch'
-    and causal is False (PyTorch decides it per call). batch_first only changes the layout PyTorch
+    and attention.causal is False (PyTorch decides it per call). batch_first only changes the layout PyTorch
     expects; ours is always [N, L, D].
     """
     if isinstance(module, torch.nn.TransformerEncoderLayer):
@@ -282,13 +283,12 @@ def to_torch(
     """
     block = config if isinstance(config, BlockConfig) else config.block
     _check_expressible(block)
-    if isinstance(config, StackConfig) and config.per_layer:
-        name = {"window": "layer_windows", "rope_base": "layer_rope_bases", "attn_norm": "layer_attn_norm"}[
-            next(iter(config.per_layer))]
-        raise ValueError(f"{name}={getattr(config, name)} has no nn.TransformerEncoder equivalent (its layers are "
-                         "identical copies): remove the per-layer settings")
+    if isinstance(config, StackConfig) and config.layers.per_layer:
+        name = next(iter(config.layers.per_layer))
+        raise ValueError(f"layers.{name}={getattr(config.layers, name)} has no nn.TransformerEncoder equivalent (its "
+                         "layers are identical copies): remove the per-layer settings")
     layer = torch.nn.TransformerEncoderLayer(
-        block.model_dim, block.num_heads, block.ffn_dim, dropout=block.attn_dropout, activation=block.activation,
+        block.model_dim, block.num_heads, block.ffn_dim, dropout=block.attention.dropout, activation=block.activation,
         layer_norm_eps=block.norm_eps, batch_first=batch_first, norm_first=block.norm == "pre",
         bias=block.use_bias, dtype=DTYPES_TORCH[block.param_dtype],
     )

@@ -134,7 +134,10 @@ def compare(
     block = as_stack(cfg).block
     try:  # validated copy: a misspelt kernel or dtype fails here, naming the field
         block = BlockConfig.model_validate(
-            block.model_dump() | {"attention": attention, "causal": is_causal, "dtype": dtype or block.dtype}
+            block.model_dump() | {
+                "dtype": dtype or block.dtype,
+                "attention": block.attention.model_dump() | {"kernel": attention, "causal": is_causal},
+            }
         )
     except ValidationError as err:
         raise ValueError(format_validation_error(err)) from None

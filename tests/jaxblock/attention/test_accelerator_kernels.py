@@ -175,10 +175,10 @@ def _encoder(attention: str, **extra: Any) -> tuple[Encoder, Any]:
     return _model(attention, **extra), _params(tuple(sorted(extra.items())))
 
 
-def _model(attention: str, **extra: Any) -> Encoder:
-    fields: dict[str, Any] = dict(num_layers=2, vocab_size=V, max_len=L, positions="learned") | extra
+def _model(attention: str, *, window: tuple[int | None, ...] | None = None, **extra: Any) -> Encoder:
+    fields: dict[str, Any] = dict(num_layers=2, vocab_size=V, max_len=L, layers=dict(window=window)) | extra
     return Encoder(EncoderConfig(**fields, block=dict(model_dim=16, num_heads=4, num_kv_heads=2, ffn_dim=32,
-                                                      attention=attention, attn_chunk_size=8)))
+                                                      attention=dict(kernel=attention, chunk_size=8))))
 
 
 @functools.cache
@@ -222,7 +222,7 @@ def test_encoder_equals_dense_through_the_whole_model(kernel: str, scan: bool) -
     traced, and splash picks among the stack's static windows. (The Pallas GPU kernel takes no window.)"""
     extra: dict[str, Any] = dict(num_layers=2, scan_layers=scan)
     if kernel == "splash":
-        extra["layer_windows"] = (None, 3)
+        extra["window"] = (None, 3)
     (model, params), (dense_model, _) = _encoder(kernel, **extra), _encoder("dense", **extra)
     tokens = jnp.asarray(np.random.default_rng(1).integers(1, V, (2, L)), jnp.int32)
     valid = jnp.arange(L)[None] < jnp.asarray([[20], [0]])

@@ -129,7 +129,7 @@ def test_dispatch_picks_the_context_kernel_only_where_the_length_splits() -> Non
 def classifier_config(parallel: dict[str, Any], **data: Any) -> Any:
     return config_from_dict({
         "model": {"vocab_size": 32, "num_classes": 2, "max_len": 16, "num_layers": 1,
-                  "block": {"model_dim": 32, "num_heads": 4, "ffn_dim": 64, "causal": True}},
+                  "block": {"model_dim": 32, "num_heads": 4, "ffn_dim": 64, "attention": {"causal": True}}},
         "data": {"buckets": [16], "max_len": 16, **data},
         "optim": {"optimizer": "sgd", "lr": 0.25, "schedule": "constant", "warmup_steps": 0, "clip_norm": None},
         "train": {"batch_size": 8, "steps": 3}, "parallel": parallel,

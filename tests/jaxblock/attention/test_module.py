@@ -20,8 +20,8 @@ VALID = np.array([[True, True, True, False, False], [True] * L])
 
 
 def _cfg(**kw) -> BlockConfig:
-    base = dict(model_dim=D, num_heads=2, ffn_dim=16, attn_chunk_size=2)  # chunk 2 at L=5: 3 chunks, padded
-    return BlockConfig(**{**base, **kw})
+    attention = {"chunk_size": 2, **kw.pop("attention", {})}  # chunk 2 at L=5: 3 chunks, padded
+    return BlockConfig(**{"model_dim": D, "num_heads": 2, "ffn_dim": 16, **kw, "attention": attention})
 
 
 def _shapes(cfg: BlockConfig) -> dict:
@@ -41,7 +41,7 @@ def _x(seed: int = 1, length: int = L) -> jax.Array:
 
 
 def _run(cfg, params, x, valid, impl, **kw) -> np.ndarray:
-    mod = SelfAttention(cfg.model_copy(update={"attention": impl}))
+    mod = SelfAttention(cfg.with_kernel(impl))
     return np.asarray(mod.apply({"params": params}, x, jnp.asarray(valid), **kw))
 
 
@@ -54,7 +54,7 @@ def _reference(cfg, p, x, valid, *, attn_mask=None, segment_ids=None) -> np.ndar
     q = np.einsum("nld,dhk->nlhk", x, p["query"]["kernel"]) + p["query"]["bias"]
     kk = np.einsum("nld,dgk->nlgk", x, p["key"]["kernel"]) + p["key"]["bias"]
     vv = np.einsum("nld,dgk->nlgk", x, p["value"]["kernel"]) + p["value"]["bias"]
-    if cfg.rope:
+    if cfg.attention.rope:
         pos = jnp.broadcast_to(jnp.arange(length), (n, length))
         q = np.asarray(apply_rope(jnp.asarray(q, jnp.float32), pos), np.float64)
         kk = np.asarray(apply_rope(jnp.asarray(kk, jnp.float32), pos), np.float64)
@@ -62,7 +62,7 @@ def _reference(cfg, p, x, valid, *, attn_mask=None, segment_ids=None) -> np.ndar
     kk, vv = kk[:, :, group], vv[:, :, group]  # [N, L, H, K]
     s = np.einsum("nqhk,nmhk->nhqm", q, kk) / math.sqrt(k)
     mask = np.broadcast_to(np.asarray(valid)[:, None, :], (n, length, length))  # [N, Q, M]
-    if cfg.causal:
+    if cfg.attention.causal:
         mask = mask & np.tril(np.ones((length, length), bool))[None]
     if attn_mask is not None:
         mask = mask & (attn_mask[None] if attn_mask.ndim == 2 else attn_mask)
@@ -77,7 +77,7 @@ def _reference(cfg, p, x, valid, *, attn_mask=None, segment_ids=None) -> np.ndar
 
 
 CASES = {
-    "causal": ({"causal": True}, {}),
+    "causal": ({"attention": {"causal": True}}, {}),
     "attn_mask_2d": ({}, {"attn_mask": np.random.default_rng(0).random((L, L)) > 0.4}),
     "attn_mask_3d_and_segments": (
         {},
@@ -87,10 +87,10 @@ CASES = {
         },
     ),
     "gqa_causal_segments": (
-        {"num_heads": 4, "num_kv_heads": 2, "causal": True},
+        {"num_heads": 4, "num_kv_heads": 2, "attention": {"causal": True}},
         {"segment_ids": np.array([[0, 0, 0, 1, 1], [0, 0, 1, 1, 1]], np.int32)},
     ),
-    "rope_separate_qkv_matmuls": ({"rope": True, "fused_qkv": False}, {}),
+    "rope_separate_qkv_matmuls": ({"attention": {"rope": True, "fused_qkv": False}}, {}),
 }
 
 
@@ -132,7 +132,7 @@ def test_padded_keys_never_reach_real_queries():
 
 
 def test_fully_masked_row_gives_the_out_bias_and_every_path_has_the_same_finite_gradients():
-    cfg = _cfg(num_heads=4, num_kv_heads=2, causal=True)
+    cfg = _cfg(num_heads=4, num_kv_heads=2, attention=dict(causal=True))
     params = _params(cfg)
     x = _x()
     valid = jnp.asarray(VALID).at[0].set(False)  # row 0 has no real token at all
@@ -140,7 +140,7 @@ def test_fully_masked_row_gives_the_out_bias_and_every_path_has_the_same_finite_
     weights = jnp.asarray(np.random.default_rng(3).normal(size=(N, L, D)), jnp.float32)
     grads = {}
     for impl in IMPLS:
-        mod = SelfAttention(cfg.model_copy(update={"attention": impl}))
+        mod = SelfAttention(cfg.with_kernel(impl))
         y = np.asarray(mod.apply({"params": params}, x, valid, segment_ids=seg))
         np.testing.assert_array_equal(y[0], np.broadcast_to(np.asarray(params["out"]["bias"]), (L, D)), impl)
         assert np.all(np.isfinite(y))
@@ -162,7 +162,7 @@ def test_fully_masked_row_gives_the_out_bias_and_every_path_has_the_same_finite_
 
 @pytest.mark.parametrize("impl", IMPLS)
 def test_segments_never_see_each_other(impl):
-    cfg = _cfg(attention=impl)
+    cfg = _cfg(attention=dict(kernel=impl))
     params = _params(cfg)
     seg = jnp.array([[0, 0, 1, 1, 1], [0, 0, 0, 1, 1]], jnp.int32)
     x = _x()
@@ -176,7 +176,7 @@ def test_segments_never_see_each_other(impl):
 
 
 def test_unfused_records_attention_weights():
-    cfg = _cfg(attention="unfused", causal=True)
+    cfg = _cfg(attention=dict(kernel="unfused", causal=True))
     params = _params(cfg)
     valid = jnp.asarray(VALID).at[0].set(False)
     _, state = SelfAttention(cfg).apply({"params": params}, _x(), valid, mutable=["intermediates"])
@@ -189,7 +189,7 @@ def test_unfused_records_attention_weights():
 
 
 def test_attention_dropout_runs_unfused_differs_by_key_and_is_off_in_eval():
-    cfg = _cfg(attn_dropout=0.5, attention="unfused")
+    cfg = _cfg(attention=dict(dropout=0.5, kernel="unfused"))
     assert choose_implementation(cfg, train=True)[0] == "unfused"
     params = {"params": _params(cfg)}
     mod, x, valid = SelfAttention(cfg), _x(), jnp.asarray(VALID)
@@ -242,7 +242,7 @@ def test_choose_implementation_states_its_reason():
     impl, why = choose_implementation(cfg, train=False, backend="cpu")
     assert impl == "dense" and why.startswith("backend is cpu, not an NVIDIA GPU") and "dense kernel" in why
     # Long L on a CPU: chunked from 4 key blocks on (measured faster there, memory linear in L).
-    long = _cfg(attn_chunk_size=16)
+    long = _cfg(attention=dict(chunk_size=16))
     assert choose_implementation(long, train=False, backend="cpu", length=63)[0] == "dense"
     impl, why = choose_implementation(long, train=False, backend="cpu", length=64)
     assert impl == "chunked" and "L=64" in why
@@ -254,17 +254,18 @@ def test_choose_implementation_states_its_reason():
     assert impl == "xla" and "float32" in why
     impl, why = choose_implementation(bf16.model_copy(update={"num_heads": 4}), train=False, backend="gpu")
     assert impl == "xla" and "head width 2" in why
-    assert choose_implementation(_cfg(attn_dropout=0.1), train=False, backend="cpu")[0] == "dense"
-    impl, why = choose_implementation(_cfg(attn_dropout=0.1), train=True, backend="cpu")
+    assert choose_implementation(_cfg(attention=dict(dropout=0.1)), train=False, backend="cpu")[0] == "dense"
+    impl, why = choose_implementation(_cfg(attention=dict(dropout=0.1)), train=True, backend="cpu")
     assert impl == "dense" and "dropout" in why  # the dense kernel applies dropout itself
-    impl, why = choose_implementation(_cfg(attn_dropout=0.1), train=True, backend="gpu")
+    impl, why = choose_implementation(_cfg(attention=dict(dropout=0.1)), train=True, backend="gpu")
     assert impl == "unfused" and "dropout" in why
-    assert choose_implementation(_cfg(attention="dense", attn_dropout=0.1), train=True, backend="gpu")[0] == "dense"
-    assert choose_implementation(_cfg(attention="xla", attn_dropout=0.1), train=True, backend="cpu")[0] == "unfused"
-    impl, why = choose_implementation(_cfg(attention="chunked", attn_dropout=0.1), train=True)
+    dense, xla = _cfg(attention=dict(kernel="dense", dropout=0.1)), _cfg(attention=dict(kernel="xla", dropout=0.1))
+    assert choose_implementation(dense, train=True, backend="gpu")[0] == "dense"
+    assert choose_implementation(xla, train=True, backend="cpu")[0] == "unfused"
+    impl, why = choose_implementation(_cfg(attention=dict(kernel="chunked", dropout=0.1)), train=True)
     assert impl == "unfused" and "dropout" in why
-    assert choose_implementation(_cfg(attention="chunked", attn_dropout=0.1), train=False)[0] == "chunked"
-    impl, why = choose_implementation(_cfg(attention="cudnn"), train=False, backend="cpu")
+    assert choose_implementation(_cfg(attention=dict(kernel="chunked", dropout=0.1)), train=False)[0] == "chunked"
+    impl, why = choose_implementation(_cfg(attention=dict(kernel="cudnn")), train=False, backend="cpu")
     assert impl == "xla" and "cuDNN requested" in why
 
 
@@ -278,9 +279,9 @@ def test_accelerator_rules_pick_by_target_platform_with_reasons():
     assert impl == "splash" and "segment ids" in why
     impl, why = choose_implementation(cfg, train=False, backend="tpu", attn_mask=True)
     assert impl == "xla" and "attn_mask" in why
-    impl, why = choose_implementation(_cfg(attn_dropout=0.1), train=True, backend="tpu")
-    assert impl == "unfused" and "attn_dropout=0" in why  # the reason names the fix
-    assert choose_implementation(_cfg(attn_dropout=0.1), train=False, backend="tpu")[0] == "splash"
+    impl, why = choose_implementation(_cfg(attention=dict(dropout=0.1)), train=True, backend="tpu")
+    assert impl == "unfused" and "attention.dropout=0" in why  # the reason names the fix
+    assert choose_implementation(_cfg(attention=dict(dropout=0.1)), train=False, backend="tpu")[0] == "splash"
     # GPU: cuDNN for plain masks in half precision, the Pallas kernel for packed rows, XLA for windows.
     assert choose_implementation(bf16, train=False, backend="cuda")[0] == "cudnn"
     impl, why = choose_implementation(bf16, train=False, backend="gpu", segments=True)
@@ -288,9 +289,10 @@ def test_accelerator_rules_pick_by_target_platform_with_reasons():
     assert choose_implementation(cfg, train=False, backend="gpu", segments=True)[0] == "pallas_gpu"
     assert choose_implementation(bf16, train=False, backend="gpu", segments=True, window=True)[0] == "xla"
     # Requested off their platform: interpret mode, said so; a mask they cannot take: XLA, said so.
-    impl, why = choose_implementation(_cfg(attention="splash"), train=False, backend="cpu")
+    impl, why = choose_implementation(_cfg(attention=dict(kernel="splash")), train=False, backend="cpu")
     assert impl == "splash" and "interpret" in why
-    impl, why = choose_implementation(_cfg(attention="pallas_gpu"), train=False, backend="gpu", window=True)
+    pallas = _cfg(attention=dict(kernel="pallas_gpu"))
+    impl, why = choose_implementation(pallas, train=False, backend="gpu", window=True)
     assert impl == "xla" and "window" in why
     # The platform being lowered for decides, not the backend tracing: a CPU host tracing for a TPU.
     with for_platform("tpu"):
@@ -299,7 +301,7 @@ def test_accelerator_rules_pick_by_target_platform_with_reasons():
     with pytest.raises(ValueError, match="unknown platform 'rocmx'"):
         platform_name("rocmx")
     # Per layer: a global layer among windowed ones has no window unless the stack is scanned.
-    stack = StackConfig(num_layers=2, layer_windows=(None, 4), block=dict(model_dim=D, num_heads=2, ffn_dim=16))
+    stack = StackConfig(num_layers=2, block=dict(model_dim=D, num_heads=2, ffn_dim=16), layers=dict(window=(None, 4)))
     assert [k for k, _ in layer_kernels(stack, train=False, length=8, segments=True, backend="gpu")] == [
         "pallas_gpu", "xla"]
     scanned = stack.model_copy(update={"scan_layers": True})
@@ -321,14 +323,14 @@ def test_bad_masks_are_clear_errors_at_trace_time():
 
 def test_the_dense_kernel_drops_exactly_the_weights_the_unfused_path_drops():
     # Same rng stream and mask shape: outputs and every gradient agree, with GQA, causal and a row with no key.
-    cfg = _cfg(attn_dropout=0.3, num_heads=4, num_kv_heads=2, causal=True)
+    cfg = _cfg(num_heads=4, num_kv_heads=2, attention=dict(dropout=0.3, causal=True))
     params = _params(cfg)
     x = _x()
     valid = jnp.asarray(VALID).at[0].set(False)
     weights = jnp.asarray(np.random.default_rng(5).normal(size=(N, L, D)), jnp.float32)
     outs, grads = {}, {}
     for impl in ("unfused", "dense"):
-        mod = SelfAttention(cfg.model_copy(update={"attention": impl}))
+        mod = SelfAttention(cfg.with_kernel(impl))
         rngs = {"dropout": jax.random.key(7)}
 
         def loss(p, xx, mod=mod, rngs=rngs):
@@ -341,6 +343,6 @@ def test_the_dense_kernel_drops_exactly_the_weights_the_unfused_path_drops():
     for a, b in zip(jax.tree.leaves(grads["dense"]), jax.tree.leaves(grads["unfused"]), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
     # and dropout did act: the eval output differs
-    dense = SelfAttention(cfg.model_copy(update={"attention": "dense"}))
+    dense = SelfAttention(cfg.with_kernel("dense"))
     eval_out = np.asarray(dense.apply({"params": params}, x, valid))
     assert np.abs(eval_out - outs["dense"]).max() > 1e-3

@@ -1,4 +1,4 @@
-"""Per-layer attention settings of the stack (StackConfig.layer_windows, layer_rope_bases, layer_attn_norm).
+"""Per-layer attention settings of the stack (StackConfig.layers: window, rope_base, attn_norm).
 
 Tiny models: D=16, 2 heads, 3 layers (two windowed with different windows and RoPE bases, one global),
 N=2 rows of L=12, row 1 with 7 real tokens. The settings are scanned inputs, so scan and the unrolled
@@ -26,14 +26,21 @@ from jaxblock.model import stack_layer_params
 N, L, V = 2, 12, 30
 VALID = jnp.arange(L)[None, :] < jnp.asarray([[L], [7]])
 TOKENS = jnp.asarray(np.random.default_rng(0).integers(1, V, (N, L)), jnp.int32)
-PER_LAYER = dict(layer_windows=(2, None, 1), layer_rope_bases=(100.0, 10000.0, 30.0),
-                 layer_attn_norm=(False, True, True))
+PER_LAYER = dict(window=(2, None, 1), rope_base=(100.0, 10000.0, 30.0), attn_norm=(False, True, True))
 
 
-def _cfg(attention: str = "xla", **extra: Any) -> EncoderConfig:
-    fields: dict[str, Any] = dict(num_layers=3, vocab_size=V, max_len=L, positions="rope", num_classes=3) | PER_LAYER
-    block = dict(model_dim=16, num_heads=2, ffn_dim=24, attention=attention, attn_chunk_size=4)
-    return EncoderConfig(**(fields | extra), block=block)
+def _cfg(kernel: str = "xla", *, layers: dict[str, Any] | None = None, rope: bool = True,
+         **extra: Any) -> EncoderConfig:
+    """The per-layer stack with rotary positions (`layers` updates PER_LAYER)."""
+    fields: dict[str, Any] = dict(num_layers=3, vocab_size=V, max_len=L, num_classes=3,
+                                  embedding=dict(positions="none" if rope else "learned"))
+    block = dict(model_dim=16, num_heads=2, ffn_dim=24, attention=dict(kernel=kernel, chunk_size=4, rope=rope))
+    return EncoderConfig(**(fields | extra), layers=PER_LAYER | (layers or {}), block=block)
+
+
+def _without(cfg: EncoderConfig, name: str) -> EncoderConfig:
+    """`cfg` without per-layer setting `name`."""
+    return cfg.model_copy(update={"layers": cfg.layers.model_copy(update={name: None})})
 
 
 def _init(cfg: EncoderConfig, model: Any = Encoder) -> Any:
@@ -68,21 +75,21 @@ def test_a_window_is_the_attention_mask_it_stands_for_and_each_setting_matters()
     cfg = _cfg()
     variables = _variables()
     out = np.asarray(Encoder(cfg).apply(variables, TOKENS, VALID))
-    one = _cfg(num_layers=1, layer_windows=(2,), layer_rope_bases=(100.0,), layer_attn_norm=None)
+    one = _cfg(num_layers=1, layers=dict(window=(2,), rope_base=(100.0,), attn_norm=None))
     v1 = _init(one)
     idx = np.arange(L)
     band = jnp.asarray(np.abs(idx[:, None] - idx[None, :]) <= 2)
-    plain = one.model_copy(update={"layer_windows": None})
+    plain = _without(one, "window")
     np.testing.assert_allclose(np.asarray(Encoder(one).apply(v1, TOKENS, VALID)),
                                np.asarray(Encoder(plain).apply(v1, TOKENS, VALID, attn_mask=band)), atol=1e-6)
     for name in PER_LAYER:
-        without = np.asarray(Encoder(cfg.model_copy(update={name: None})).apply(variables, TOKENS, VALID))
+        without = np.asarray(Encoder(_without(cfg, name)).apply(variables, TOKENS, VALID))
         assert np.abs(without - out)[np.asarray(VALID)].max() > 1e-3, name
 
 
 @pytest.mark.parametrize("scan", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_padding_changes_no_real_output_or_logit(scan: bool) -> None:
-    cfg = _cfg(scan_layers=scan, pooling="mean")
+    cfg = _cfg(scan_layers=scan, pooler=dict(pooling="mean"))
     params = _init(cfg, Classifier)["params"]
     other = TOKENS.at[1, 7:].set(3)  # different ids at row 1's padded positions
     enc = lambda t: np.asarray(Encoder(cfg).apply({"params": params["encoder"]}, t, VALID))
@@ -108,17 +115,17 @@ def test_a_packed_row_equals_its_examples_run_separately() -> None:
 
 
 def test_cudnn_is_not_chosen_for_a_windowed_layer() -> None:
-    block = _cfg().block.model_copy(update={"dtype": "bfloat16", "attention": "auto"})
+    block = _cfg().block.model_copy(update={"dtype": "bfloat16"}).with_kernel("auto")
     impl, why = choose_implementation(block, train=False, backend="gpu", extra_mask=True)
     assert impl == "xla" and "attn_mask" in why
-    impl, why = choose_implementation(block.model_copy(update={"attention": "cudnn"}), train=False, backend="gpu",
+    impl, why = choose_implementation(block.with_kernel("cudnn"), train=False, backend="gpu",
                                       extra_mask=True)
     assert impl == "xla" and "cuDNN requested" in why
 
 
 @pytest.mark.slow  # every diagnostic compiles its own programs: ~15 s on 2 shared cores
 def test_the_diagnostics_pass_on_a_per_layer_stack() -> None:
-    model = Classifier(_cfg(pooling="mean"))
+    model = Classifier(_cfg(pooler=dict(pooling="mean")))
     batch = {"tokens": TOKENS, "valid_tokens": VALID, "labels": jnp.asarray([0, 2], jnp.int32)}
 
     def loss(logits: jax.Array, b: Any) -> jax.Array:
@@ -130,9 +137,9 @@ def test_the_diagnostics_pass_on_a_per_layer_stack() -> None:
 
 
 @pytest.mark.parametrize(("update", "message"), [
-    ({"layer_windows": (1, 2)}, "layer_windows has 2 entries for num_layers=3"),
-    ({"layer_windows": (1, -2, None)}, "a window is a distance >= 0"),
-    ({"positions": "learned", "layer_windows": None}, "layer_rope_bases needs rotary positions"),
+    ({"layers": {"window": (1, 2)}}, "layers.window has 2 entries for num_layers=3"),
+    ({"layers": {"window": (1, -2, None)}}, "a window is a distance >= 0"),
+    ({"rope": False, "layers": {"window": None}}, "layers.rope_base needs rotary positions"),
 ])
 def test_bad_per_layer_settings_are_refused_in_one_line(update: dict[str, Any], message: str) -> None:
     with pytest.raises(ValidationError) as err:
@@ -144,10 +151,10 @@ def test_the_pytorch_interop_refuses_per_layer_settings_in_one_line() -> None:
     pytest.importorskip("torch")
     from jaxblock.interop.torch import to_torch
 
-    cfg = _cfg(positions="learned", layer_rope_bases=None)
+    cfg = _cfg(rope=False, layers=dict(rope_base=None))
     with pytest.raises(ValueError) as err:
         to_torch(cfg, _init(cfg)["params"]["stack"])
-    assert "\n" not in str(err.value) and "layer_windows" in str(err.value)
+    assert "\n" not in str(err.value) and "layers.window" in str(err.value)
 
 
 @pytest.mark.parametrize("attention", [pytest.param("xla", marks=pytest.mark.slow), "chunked"])
@@ -156,8 +163,8 @@ def test_non_finite_padding_reaches_no_gradient_of_a_per_layer_stack(attention: 
     real outputs and every parameter gradient bitwise unchanged."""
     from jaxblock import EncoderStack, StackConfig
 
-    cfg = StackConfig(num_layers=3, block=dict(model_dim=16, num_heads=2, ffn_dim=24, rope=True, attention=attention,
-                                               attn_chunk_size=4), **PER_LAYER)
+    cfg = StackConfig(num_layers=3, layers=PER_LAYER, block=dict(
+        model_dim=16, num_heads=2, ffn_dim=24, attention=dict(rope=True, kernel=attention, chunk_size=4)))
     stack = EncoderStack(cfg)
     x = jnp.asarray(np.random.default_rng(1).normal(size=(N, L, 16)), jnp.float32)
     params = _variables()["params"]["stack"]  # the Encoder's stack: the same parameter tree

@@ -49,7 +49,7 @@ def test_encoder_from_a_directory_matches_the_last_hidden_state(saved: Any, fami
     model, path = saved[family, False]
     tokens, valid, types = tiny_batch(3)
     cfg, variables = hf.from_hf(path)
-    type_ids = types if cfg.type_vocab_size else None
+    type_ids = types if cfg.embedding.type_vocab_size else None
     ours = Encoder(cfg).apply(variables, jnp.asarray(tokens), jnp.asarray(valid),
                               token_type_ids=None if type_ids is None else jnp.asarray(type_ids))
     assert ours.shape == (3, 12, 64)
@@ -99,10 +99,10 @@ def test_classification_heads_give_the_same_logits(saved: Any, family: str) -> N
     model, path = saved[family, True]
     tokens, valid, types = tiny_batch(1)
     cfg, variables = hf.from_hf(path)
-    assert cfg.pooling == ("last" if family in ("llama", "mistral", "qwen2") else "cls")
-    type_ids = jnp.asarray(types) if cfg.type_vocab_size else None
+    assert cfg.pooler.pooling == ("last" if family in ("llama", "mistral", "qwen2") else "cls")
+    type_ids = jnp.asarray(types) if cfg.embedding.type_vocab_size else None
     ours = Classifier(cfg).apply(variables, jnp.asarray(tokens), jnp.asarray(valid), token_type_ids=type_ids)
-    kw = {"token_type_ids": torch.from_numpy(types)} if cfg.type_vocab_size else {}
+    kw = {"token_type_ids": torch.from_numpy(types)} if cfg.embedding.type_vocab_size else {}
     with torch.no_grad():
         theirs = model(input_ids=torch.from_numpy(tokens), attention_mask=torch.from_numpy(valid.astype(np.int64)),
                        **kw).logits.numpy()
@@ -135,7 +135,7 @@ def test_load_pretrained_gives_encoder_tokenizer_and_license(saved: Any, tmp_pat
     (path / "tokenizer.json").write_text("{}\n")
     cfg, params, tok, lic = hf.load_pretrained(path)
     assert (tok, lic) == (path / "tokenizer.json", path / "LICENSE")
-    assert cfg.pooling == "cls" and set(params) == {"embedding", "pos_embedding", "type_embedding", "embed_norm",
+    assert cfg.pooler.pooling == "cls" and set(params) == {"embedding", "pos_embedding", "type_embedding", "embed_norm",
                                                       "stack"}
     _, variables = hf.from_hf(path)
     jax.tree.map(np.testing.assert_array_equal, params, variables["params"]["encoder"])
@@ -160,7 +160,7 @@ def test_llama_attention_biases_convert() -> None:
     model = tiny_model("llama", attention_bias=True)
     assert model.layers[0].self_attn.o_proj.bias is not None
     cfg, variables = hf.from_hf(model)
-    assert (cfg.block.use_bias, cfg.block.qkv_bias, cfg.block.out_bias) == (False, True, True)
+    assert (cfg.block.use_bias, cfg.block.attention.qkv_bias, cfg.block.attention.out_bias) == (False, True, True)
     tokens, valid, _ = tiny_batch()
     ours = Encoder(cfg).apply(variables, jnp.asarray(tokens), jnp.asarray(valid))
     np.testing.assert_allclose(np.asarray(ours)[valid], _hidden(model, tokens, valid, None)[valid], atol=2e-5, rtol=0)
@@ -218,11 +218,13 @@ def test_to_hf_refuses_fields_transformers_cannot_hold() -> None:
     def bert_like(**update: Any) -> EncoderConfig:
         cfg, _ = hf.from_hf(tiny_model("bert"))
         block = cfg.block.model_copy(update=update.pop("block", {}))
-        return cfg.model_copy(update={"block": block, **update})
+        embedding = cfg.embedding.model_copy(update=update.pop("embedding", {}))
+        return cfg.model_copy(update={"block": block, "embedding": embedding, **update})
 
-    def llama_like(**block: Any) -> EncoderConfig:
+    def llama_like(attention: dict[str, Any] | None = None, **block: Any) -> EncoderConfig:
         cfg, _ = hf.from_hf(tiny_model("llama"))
-        return cfg.model_copy(update={"block": cfg.block.model_copy(update=block)})
+        attn = cfg.block.attention.model_copy(update=attention or {})
+        return cfg.model_copy(update={"block": cfg.block.model_copy(update={**block, "attention": attn})})
 
     def refuse_to_hf(cfg: EncoderConfig, field: str, family: str | None = None) -> None:
         _refused(lambda: hf.to_hf(cfg, {"params": {}}, family=family), field)
@@ -230,11 +232,12 @@ def test_to_hf_refuses_fields_transformers_cannot_hold() -> None:
     refuse_to_hf(bert_like(block={"norm": "pre"}), "block.norm='pre'")
     refuse_to_hf(bert_like(final_norm=True), "final_norm=True")
     refuse_to_hf(bert_like(block={"num_kv_heads": 2}), "block.num_kv_heads=2")
-    refuse_to_hf(bert_like(), "position_offset=0", family="roberta")
-    refuse_to_hf(bert_like(block={"norm_eps": 1e-5}, type_vocab_size=0), "block.norm_eps=1e-05", "distilbert")
+    refuse_to_hf(bert_like(), "embedding.position_offset=0", family="roberta")
+    refuse_to_hf(bert_like(block={"norm_eps": 1e-5}, embedding={"type_vocab_size": 0}), "block.norm_eps=1e-05",
+                 "distilbert")
     refuse_to_hf(llama_like(use_bias=True), "block.use_bias=True")
-    refuse_to_hf(llama_like(causal=False), "block.causal=False")
-    refuse_to_hf(llama_like(), "block.qkv_bias=False", family="qwen2")
+    refuse_to_hf(llama_like(attention={"causal": False}), "block.attention.causal=False")
+    refuse_to_hf(llama_like(), "block.attention.qkv_bias=False", family="qwen2")
     refuse_to_hf(llama_like(activation="geglu"), "block.activation='geglu'")
     _refused(lambda: hf.to_hf(*hf.from_hf(tiny_model("llama")), family="gpt2"), "model_type='gpt2'")
 
@@ -276,7 +279,7 @@ def test_a_directory_without_weights_is_refused(tmp_path: Path) -> None:
 def test_scaled_rope_matches_and_round_trips(rope: dict[str, Any]) -> None:
     model = tiny_model("llama", rope_parameters=rope)
     cfg, variables = hf.from_hf(model)
-    assert cfg.block.rope_scaling is not None and cfg.block.rope_scaling.type == rope["rope_type"]
+    assert cfg.block.attention.rope_scaling is not None and cfg.block.attention.rope_scaling.type == rope["rope_type"]
     tokens, valid, _ = tiny_batch()
     ours = Encoder(cfg).apply(variables, jnp.asarray(tokens), jnp.asarray(valid))
     np.testing.assert_allclose(np.asarray(ours)[valid], _hidden(model, tokens, valid, None)[valid], atol=2e-5, rtol=0)

@@ -97,7 +97,7 @@ def test_an_old_modernbert_config_reads_its_rope_thetas_and_layer_pattern(tmp_pa
     raw |= {"global_rope_theta": 1000.0, "local_rope_theta": 50.0, "global_attn_every_n_layers": 2}
     (tmp_path / "config.json").write_text(json.dumps(raw))
     cfg, variables = hf.from_hf(tmp_path)
-    assert cfg.layer_windows == (None, 2) and cfg.layer_rope_bases == (1000.0, 50.0)
+    assert cfg.layers.window == (None, 2) and cfg.layers.rope_base == (1000.0, 50.0)
     tokens, valid, _ = tiny_batch()
     np.testing.assert_allclose(_ours(cfg, variables, tokens, valid)[valid], _hidden(model, tokens, valid)[valid],
                                atol=2e-5, rtol=0)
@@ -125,9 +125,9 @@ _TOY_DEFAULTS = {"width": 16, "depth": 2, "heads": 2, "inner": 24, "vocab": 20, 
 
 
 def _toy_fields(c: hf.HFConfig, max_len: int | None) -> dict[str, Any]:
-    return dict(num_layers=c.depth, vocab_size=c.vocab, max_len=max_len or 16, positions="rope",
+    return dict(num_layers=c.depth, vocab_size=c.vocab, max_len=max_len or 16, embedding=dict(positions="none"),
                 block=dict(model_dim=c.width, num_heads=c.heads, ffn_dim=c.inner, norm="pre", norm_type="rmsnorm",
-                           norm_eps=c.eps, activation="swiglu", use_bias=False))
+                           norm_eps=c.eps, activation="swiglu", use_bias=False, attention=dict(rope=True)))
 
 
 def _toy_map(cfg: EncoderConfig) -> list[Mapping]:
@@ -209,7 +209,7 @@ def test_electra_projects_narrow_embeddings() -> None:
     model = tiny_model("electra")
     assert model.embeddings_project.weight.shape == (64, 32)
     cfg, variables = hf.from_hf(model)
-    assert cfg.embed_dim == 32 and variables["params"]["embedding"].shape == (40, 32)
+    assert cfg.embedding.dim == 32 and variables["params"]["embedding"].shape == (40, 32)
     assert variables["params"]["embed_proj"]["kernel"].shape == (32, 64)
 
 
@@ -217,7 +217,7 @@ def test_electra_projects_narrow_embeddings() -> None:
 def test_modernbert_heads_pool_as_configured_and_round_trip(pooling: str, bias: bool) -> None:
     model = tiny_model("modernbert", head=True, classifier_pooling=pooling, classifier_bias=bias)
     cfg, variables = hf.from_hf(model)
-    assert (cfg.pooling, cfg.pooler, cfg.pooler_norm, cfg.pooler_bias) == (pooling, "dense", True, bias)
+    assert (cfg.pooler.pooling, cfg.pooler.dense, cfg.pooler.norm, cfg.pooler.bias) == (pooling, True, True, bias)
     tokens, valid, _ = tiny_batch(1)
     np.testing.assert_allclose(_ours(cfg, variables, tokens, valid), _hidden(model, tokens, valid), atol=2e-5, rtol=0)
     _same_state_dict(hf.to_hf(cfg, variables, pad_token_id=PAD), model)  # guessed as ModernBERT
@@ -231,13 +231,14 @@ def test_modernbert_local_windows_and_rope_bases_are_what_transformers_computes(
         for layer in model.layers:
             layer.attn.Wqkv.weight.mul_(8.0)
     cfg, variables = hf.from_hf(model)
-    assert (cfg.layer_windows, cfg.layer_rope_bases, cfg.layer_attn_norm) == ((None, 2), (1000.0, 50.0),
+    assert (cfg.layers.window, cfg.layers.rope_base, cfg.layers.attn_norm) == ((None, 2), (1000.0, 50.0),
                                                                              (False, True))
     tokens, valid, _ = tiny_batch()
     theirs = _hidden(model, tokens, valid)[valid]
     np.testing.assert_allclose(_ours(cfg, variables, tokens, valid)[valid], theirs, atol=2e-5, rtol=0)
-    for name in ("layer_windows", "layer_rope_bases", "layer_attn_norm"):
-        off = _ours(cfg.model_copy(update={name: None}), variables, tokens, valid)[valid]
+    for name in ("window", "rope_base", "attn_norm"):
+        off = _ours(cfg.model_copy(update={"layers": cfg.layers.model_copy(update={name: None})}), variables, tokens,
+                    valid)[valid]
         assert np.abs(off - theirs).max() > 1e-3, name
     scanned = cfg.model_copy(update={"scan_layers": True})
     from jaxblock.model import stack_layer_params
@@ -260,14 +261,14 @@ def test_what_the_newer_families_cannot_hold_is_refused_in_one_line() -> None:
     _refused(lambda: hf.from_hf(tiny_model("electra", hidden_act="silu")), "hidden_act='silu'")
     modern, _ = hf.from_hf(tiny_model("modernbert"))
     bert, _ = hf.from_hf(tiny_model("bert"))
-    _refused(lambda: hf.to_hf(modern.model_copy(update={"layer_windows": (1, 2)}), {"params": {}}),
-             "layer_windows=(1, 2)")
-    _refused(lambda: hf.to_hf(modern.model_copy(update={"layer_attn_norm": None}), {"params": {}}),
-             "layer_attn_norm=None")
-    _refused(lambda: hf.to_hf(bert.model_copy(update={"layer_windows": (3, None)}), {"params": {}}),
-             "layer_windows=(3, None)")
-    _refused(lambda: hf.to_hf(bert.model_copy(update={"embed_dim": 32}), {"params": {}}, family="bert"),
-             "embed_dim=32")
+    def layers(cfg: EncoderConfig, **update: Any) -> EncoderConfig:
+        return cfg.model_copy(update={"layers": cfg.layers.model_copy(update=update)})
+
+    _refused(lambda: hf.to_hf(layers(modern, window=(1, 2)), {"params": {}}), "layers.window=(1, 2)")
+    _refused(lambda: hf.to_hf(layers(modern, attn_norm=None), {"params": {}}), "layers.attn_norm=None")
+    _refused(lambda: hf.to_hf(layers(bert, window=(3, None)), {"params": {}}), "layers.window=(3, None)")
+    wide = bert.model_copy(update={"embedding": bert.embedding.model_copy(update={"dim": 32})})
+    _refused(lambda: hf.to_hf(wide, {"params": {}}, family="bert"), "embedding.dim=32")
 
 
 # --- reading without torch or transformers -------------------------------------------------------
@@ -313,7 +314,7 @@ except hf.UnsupportedConfigError as err:
     out["bin"] = str(err)
 from train.init_from.hf import hf_source
 source = hf_source("hf:" + sys.argv[1] + "/bert")
-out["source"] = [source.record["family"], source.model.pooling]
+out["source"] = [source.record["family"], source.model.pooler.pooling]
 out["modules"] = sorted(m for m in ("torch", "transformers") if m in sys.modules)
 print(json.dumps(out))
 """
@@ -379,8 +380,8 @@ def test_a_modernbert_checkpoint_plans_as_init_from_with_its_per_layer_stack(tmp
     work = tmp_path / "work"
     config = run.config_for_workdir(str(TINY), [f"model.init_from=hf:{path}", "parallel.strategy=single"], work)
     model = run.plan_run(config, work).config.model
-    assert model.layer_windows == (None, 4, 4) and model.layer_rope_bases == (160000.0, 10000.0, 10000.0)
-    assert (model.pooling, model.pooler, model.pooler_norm) == ("cls", "dense", True)
+    assert model.layers.window == (None, 4, 4) and model.layers.rope_base == (160000.0, 10000.0, 10000.0)
+    assert (model.pooler.pooling, model.pooler.dense, model.pooler.norm) == ("cls", True, True)
 
 
 @pytest.mark.parametrize(("text", "message"), [

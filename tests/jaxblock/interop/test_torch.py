@@ -309,7 +309,7 @@ def _assert_trees_equal(a, b):
 
 def test_from_torch_of_to_torch_reproduces_block_variables():
     cfg = BlockConfig(
-        model_dim=24, num_heads=3, ffn_dim=40, attn_dropout=0.1, ffn_dropout=0.1, residual_dropout=0.1,
+        model_dim=24, num_heads=3, ffn_dim=40, attention=dict(dropout=0.1), ffn_dropout=0.1, residual_dropout=0.1,
         norm="post", norm_eps=1e-6, activation="gelu", init="torch",
     )
     x = jnp.zeros((1, L, 24))
@@ -336,7 +336,7 @@ def test_from_torch_of_to_torch_reproduces_scanned_stack():
 
 @pytest.mark.parametrize("stack,with_mask", [(False, False), (True, True)], ids=["layer_causal", "stack_causal_mask"])
 def test_torch_call_kwargs_reproduce_our_causal_call(with_mask, stack):
-    block = BlockConfig(model_dim=16, num_heads=2, ffn_dim=32, causal=True, init="torch")
+    block = BlockConfig(model_dim=16, num_heads=2, ffn_dim=32, init="torch", attention=dict(causal=True))
     cfg = StackConfig(num_layers=2, block=block) if stack else block
     model = EncoderStack(cfg) if stack else EncoderBlock(cfg)
     x = np.random.default_rng(0).standard_normal((2, L, 16)).astype(np.float32)
@@ -346,8 +346,8 @@ def test_torch_call_kwargs_reproduce_our_causal_call(with_mask, stack):
     am = None if attn_mask is None else jnp.asarray(attn_mask)
     apply = jax.jit(lambda v, xs, vt: model.apply(v, xs, vt, attn_mask=am))
     ours = apply(variables, jnp.asarray(x), jnp.asarray(valid))
-    torch_cfg = (cfg.model_copy(update={"block": block.model_copy(update={"causal": False})}) if stack
-                 else block.model_copy(update={"causal": False}))
+    bidirectional = block.model_copy(update={"attention": block.attention.model_copy(update={"causal": False})})
+    torch_cfg = cfg.model_copy(update={"block": bidirectional}) if stack else bidirectional
     module = jt.to_torch(torch_cfg, variables).eval()
     kwargs = jt.torch_call_kwargs(module, valid, attn_mask, causal=True)
     assert kwargs["is_causal"] is (not with_mask)
@@ -373,20 +373,20 @@ def test_per_head_src_mask_must_agree_across_heads():
     "update,named",
     [
         ({"num_kv_heads": 2}, "num_kv_heads=2"),
-        ({"rope": True}, "rope"),
+        ({"attention": {"rope": True}}, "rope"),
         ({"norm_type": "rmsnorm"}, "rmsnorm"),
         ({"activation": "swiglu"}, "swiglu"),
         ({"activation": "gelu_tanh"}, "gelu_tanh"),
-        ({"attn_dropout": 0.1}, "dropout"),
-        ({"causal": True}, "causal"),
+        ({"attention": {"dropout": 0.1}}, "dropout"),
+        ({"attention": {"causal": True}}, "causal"),
         ({"ablate": "ffn"}, "ablate"),
         ({"dtype": "bfloat16"}, "bfloat16"),
-        ({"qkv_bias": False}, "qkv_bias=False with use_bias=True"),
-        ({"use_bias": False, "out_bias": True}, "out_bias=True with use_bias=False"),
+        ({"attention": {"qkv_bias": False}}, "attention.qkv_bias=False with use_bias=True"),
+        ({"use_bias": False, "attention": {"out_bias": True}}, "attention.out_bias=True with use_bias=False"),
     ],
 )
 def test_to_torch_rejects_what_torch_cannot_express(update, named):
-    cfg = BlockConfig(model_dim=16, num_heads=4, ffn_dim=32).model_copy(update=update)
+    cfg = BlockConfig(**{"model_dim": 16, "num_heads": 4, "ffn_dim": 32, **update})
     with pytest.raises(ValueError, match=named) as err:
         jt.to_torch(cfg, {})
     assert "\n" not in str(err.value) and "no nn.TransformerEncoderLayer equivalent" in str(err.value)
@@ -440,7 +440,7 @@ def test_from_torch_rejects_with_one_line(index):
     [
         ({"x": np.zeros((2, L, 8))}, r"x has shape \(2, 7, 8\); the module takes \[N, L, D\] with D=16"),
         ({"valid_tokens": np.ones((2, L + 1), bool)}, r"valid_tokens has shape \(2, 8\), x needs \[N, L\]"),
-        ({"attention": "flash"}, "attention: Input should be"),
+        ({"attention": "flash"}, "attention.kernel: Input should be"),
         ({"dtype": "float64"}, "dtype: Input should be"),
     ],
 )
@@ -479,7 +479,7 @@ def test_classifier_logits_and_cross_entropy_gradients():
     _randomize(tm).eval()
     stack_cfg, stack_vars = jt.from_torch(tm.encoder)
     cfg = EncoderConfig(num_layers=2, final_norm=True, block=stack_cfg.block, vocab_size=vocab,
-                        max_len=max_len, positions="learned", num_classes=classes)
+                        max_len=max_len, embedding=dict(positions="learned"), num_classes=classes)
     params = {
         "encoder": {
             "embedding": jnp.asarray(tm.embedding.weight.detach().numpy()),  # [V, D]

@@ -137,7 +137,7 @@ def gpu_python() -> str:
 @pytest.mark.slow
 def test_h100_8_compiles_the_main_job_in_bfloat16_with_the_pallas_gpu_kernel_for_packed_rows(gpu_python):
     proc = subprocess.run([gpu_python, "-m", "train", "compile", "--config", "configs/sentiment.yaml", "--target",
-                           "h100-8", "--json", "model.block.dtype=bfloat16", "model.block.attn_dropout=0.0"],
+                           "h100-8", "--json", "model.block.dtype=bfloat16", "model.block.attention.dropout=0.0"],
                           cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-2000:] + proc.stdout[-2000:]
     assert proc.stderr == ""  # no plugin traceback: compile runs on cpu

@@ -17,7 +17,7 @@ from tests.conftest import ROOT, TINY
 from train.__main__ import main
 
 # Packed training rows (segment ids) and bf16: the Pallas GPU kernel in training, cuDNN for the padded eval.
-PACKED = ["data.packing=true", "model.pooling=mean"]
+PACKED = ["data.packing=true", "model.pooler.pooling=mean"]
 
 
 def run(*argv: str) -> int:
@@ -199,12 +199,12 @@ def test_every_config_lowers_on_every_layout(config, platform):
                      for x in c.layers if c.lowered and not x.ok]
         if platform != "tpu":
             continue
-        dropout = target.config.model.block.attn_dropout > 0
+        dropout = target.config.model.block.attention.dropout > 0
         for call in report.calls:
             allowed = {"splash"} | ({"context"} if target.mesh.get("context", 1) > 1 else set())
             allowed |= {"unfused"} if call.call == "train" and dropout else set()
             problems += [f"{layout} {call.call} layer {x.layer}: {x.kernel}" for x in call.layers
                          if x.kernel not in allowed]
         if config.stem.endswith("_tpu"):
-            assert not dropout, "a TPU config keeps the fused kernel: model.block.attn_dropout=0"
+            assert not dropout, "a TPU config keeps the fused kernel: model.block.attention.dropout=0"
     assert not problems, problems

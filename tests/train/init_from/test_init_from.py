@@ -97,8 +97,8 @@ def test_contradicting_override_is_refused_free_ones_allowed(reference_run, tmp_
     with pytest.raises(ConfigError, match="max_len=32 exceeds the 16 positions"):
         run.plan_run(tiny_config(f"model.init_from={source}", "model.max_len=32"), work)
     plan = run.plan_run(tiny_config(f"model.init_from={source}", "model.max_len=8", "data.max_len=8",
-                                    "data.buckets=[8]", "model.block.attn_dropout=0.1"), work)
-    assert plan.config.model.max_len == 8 and plan.config.model.block.attn_dropout == 0.1
+                                    "data.buckets=[8]", "model.block.attention.dropout=0.1"), work)
+    assert plan.config.model.max_len == 8 and plan.config.model.block.attention.dropout == 0.1
     assert plan.initial_state().params["encoder"]["pos_embedding"].shape == (8, 32)
 
 
@@ -124,7 +124,7 @@ def test_bad_init_from_is_one_line_exit_2_nothing_written(reference_run, tmp_pat
 
 def test_packing_needs_mean_pooling(tmp_path):
     with pytest.raises(ConfigError, match=r"data\.packing"):
-        run.plan_run(tiny_config("data.packing=true", "model.pooling=cls"), tmp_path / "w")
+        run.plan_run(tiny_config("data.packing=true", "model.pooler.pooling=cls"), tmp_path / "w")
 
 
 # --- hf:<dir>: small transformers checkpoints built here, with tokenizers trained on the tiny data ---------
@@ -167,8 +167,8 @@ def test_hf_bert_plan_loads_its_encoder_tokenizer_and_pooling(tmp_path):
     config = run.config_for_workdir(str(TINY), [f"model.init_from=hf:{path}", "parallel.strategy=single"], work)
     plan = run.plan_run(config, work)
     model = plan.config.model
-    assert (model.block.model_dim, model.num_layers, model.max_len, model.pooling) == (32, 2, 16, "cls")
-    assert model.block.norm == "post" and model.embed_norm and model.block.residual_dropout == 0.1  # BERT's own
+    assert (model.block.model_dim, model.num_layers, model.max_len, model.pooler.pooling) == (32, 2, 16, "cls")
+    assert model.block.norm == "post" and model.embedding.norm and model.block.residual_dropout == 0.1  # BERT's own
     tok = plan.dataset.tokenizer
     ids = tok.encode("3 4")
     assert tok.kind == "pretrained" and tok.pad_id == 0 and len(ids) == 4

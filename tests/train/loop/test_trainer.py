@@ -126,7 +126,7 @@ def test_eval_is_deterministic_and_batch_size_free(plan):
 @pytest.mark.slow
 def test_overfits_four_fixed_examples(plan):
     cfg = plan.config
-    assert cfg.model.block.residual_dropout == cfg.model.block.ffn_dropout == cfg.model.embed_dropout == 0.0
+    assert cfg.model.block.residual_dropout == cfg.model.block.ffn_dropout == cfg.model.embedding.dropout == 0.0
     optim = cfg.optim.model_copy(update={"lr": 3e-3, "schedule": "constant", "warmup_steps": 0, "weight_decay": 0.0})
     model = Classifier(cfg.model)
     state = create_state(model, init_params(model, 0, 16), optim, 150)

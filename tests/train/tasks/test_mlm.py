@@ -57,18 +57,18 @@ def packed_batch(step: int) -> dict[str, np.ndarray]:
     return mask_batch({"tokens": tokens, "valid_tokens": valid, "segment_ids": segments}, spec, seed=0, step=step)
 
 
-def mlm_config(parallel: dict[str, Any], **block: Any) -> Config:
+def mlm_config(parallel: dict[str, Any], kernel: str = "auto") -> Config:
     return config_from_dict({
         "model": {"vocab_size": V, "max_len": L, "num_layers": 1,
-                  "block": {"model_dim": 32, "num_heads": 4, "ffn_dim": 64, **block}},
+                  "block": {"model_dim": 32, "num_heads": 4, "ffn_dim": 64, "attention": {"kernel": kernel}}},
         "optim": {"optimizer": "sgd", "lr": 0.25, "schedule": "constant", "warmup_steps": 0, "clip_norm": None},
         "train": {"batch_size": N, "steps": 5}, "parallel": parallel,
     })
 
 
 @functools.cache
-def run_steps(parallel: str, steps: int = 5, **block: Any) -> np.ndarray:
-    config = mlm_config(json.loads(parallel), **block)
+def run_steps(parallel: str, steps: int = 5, kernel: str = "auto") -> np.ndarray:
+    config = mlm_config(json.loads(parallel), kernel)
     model = TASK.build_model(config.model)
     state = jax.jit(lambda: create_state(model, init_params(model, 0, L), config.optim, steps))()
     runner = make_runner(config, state, task=TASK, specs=abstract_init(model, L)[1])
@@ -108,8 +108,8 @@ def test_sums_count_chosen_real_tokens_only_and_match_full_logits() -> None:
 @pytest.mark.slow  # three compiles; the task sums test stays in the default suite
 @pytest.mark.parametrize("kernel", ["xla", "unfused", "chunked", "dense"])
 def test_every_attention_kernel_gives_the_same_mlm_loss(kernel: str) -> None:
-    np.testing.assert_allclose(run_steps(SINGLE, 2, attention=kernel),
-                               run_steps(SINGLE, 2, attention="unfused"), atol=1e-5, rtol=0)
+    np.testing.assert_allclose(run_steps(SINGLE, 2, kernel=kernel),
+                               run_steps(SINGLE, 2, kernel="unfused"), atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("layout", [

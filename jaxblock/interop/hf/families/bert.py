@@ -13,7 +13,7 @@ FAMILY = Family(
                   layer_norm_eps=1e-12, pad_token_id=0, is_decoder=False, add_cross_attention=False),
     encoder_fields=partial(bert_like.encoder_fields, layout="bert"),
     encoder_map=partial(bert_like.encoder_map, layout="bert"),
-    head_fields=lambda c: {"pooling": "cls", "pooler_activation": "tanh"},
+    head_fields=lambda c: {"pooling": "cls", "activation": "tanh"},
     head_map=lambda cfg: bert_like.head_map("bert.pooler.dense", "classifier"),
     hf_config=partial(bert_like.hf_config, layout="bert", family="bert", pooler_activation="tanh"),
     matches=partial(bert_like.matches, layout="bert"), priority=30,

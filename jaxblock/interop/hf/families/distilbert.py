@@ -12,7 +12,7 @@ FAMILY = Family(
                   pad_token_id=0),
     encoder_fields=partial(bert_like.encoder_fields, layout="distilbert"),
     encoder_map=partial(bert_like.encoder_map, layout="distilbert"),
-    head_fields=lambda c: {"pooling": "cls", "pooler_activation": "relu"},
+    head_fields=lambda c: {"pooling": "cls", "activation": "relu"},
     head_map=lambda cfg: bert_like.head_map("pre_classifier", "classifier"),
     hf_config=partial(bert_like.hf_config, layout="distilbert", family="distilbert", pooler_activation="relu"),
     matches=partial(bert_like.matches, layout="distilbert"), priority=30,

@@ -1,5 +1,5 @@
 """ELECTRA (the discriminator's encoder): BERT's layout with embeddings of width embedding_size, projected
-to hidden_size by `embeddings_project` when the two differ (our embed_dim and embed_proj). Its
+to hidden_size by `embeddings_project` when the two differ (our embedding.dim and embed_proj). Its
 sequence-classification head: classifier.dense + GELU (whatever hidden_act is) + classifier.out_proj."""
 
 from functools import partial
@@ -15,9 +15,9 @@ FAMILY = Family(
                   layer_norm_eps=1e-12, pad_token_id=0, is_decoder=False, add_cross_attention=False),
     encoder_fields=partial(bert_like.encoder_fields, layout="bert"),
     encoder_map=partial(bert_like.encoder_map, layout="bert"),
-    head_fields=lambda c: {"pooling": "cls", "pooler_activation": "gelu"},
+    head_fields=lambda c: {"pooling": "cls", "activation": "gelu"},
     head_map=lambda cfg: bert_like.head_map("classifier.dense", "classifier.out_proj"),
     hf_config=partial(bert_like.hf_config, layout="bert", family="electra", pooler_activation="gelu",
                       embed_proj=True),
-    matches=lambda cfg: cfg.positions == "learned" and cfg.embed_width != cfg.block.model_dim, priority=20,
+    matches=lambda cfg: cfg.embedding.positions == "learned" and cfg.embed_width != cfg.block.model_dim, priority=20,
 )

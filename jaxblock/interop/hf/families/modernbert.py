@@ -3,8 +3,8 @@ GeGLU FFN (Wi holds [input; gate], GELU on the input half), a LayerNorm on the t
 norm, no attention norm in layer 0 (it reads the embedding norm's output), RoPE with one base for global
 layers and another for local ones, and bidirectional sliding-window attention on the local layers (every
 layer but each global_attn_every_n_layers-th): a local query sees keys at most local_attention // 2
-positions away. Those per-layer differences are the stack's layer_windows / layer_rope_bases /
-layer_attn_norm. The sequence-classification head pools (classifier_pooling 'cls' or 'mean'), then
+positions away. Those per-layer differences are the stack's layers.window / layers.rope_base /
+layers.attn_norm. The sequence-classification head pools (classifier_pooling 'cls' or 'mean'), then
 head.dense (bias classifier_bias) + classifier_activation + head.norm, then `classifier`.
 """
 
@@ -62,14 +62,16 @@ def encoder_fields(c: Any, max_len: int | None) -> dict[str, Any]:
     window = c.local_attention // 2
     return dict(
         num_layers=c.num_hidden_layers, vocab_size=c.vocab_size, max_len=max_len or c.max_position_embeddings,
-        positions="rope", embed_norm=True, embed_dropout=float(c.embedding_dropout),
-        layer_windows=tuple(window if t == _SLIDING else None for t in types),
-        layer_rope_bases=tuple(_theta(c, t) for t in types),
-        layer_attn_norm=tuple(i > 0 for i in range(c.num_hidden_layers)),
+        embedding=dict(positions="none", norm=True, dropout=float(c.embedding_dropout)),
+        layers=dict(
+            window=tuple(window if t == _SLIDING else None for t in types),
+            rope_base=tuple(_theta(c, t) for t in types),
+            attn_norm=tuple(i > 0 for i in range(c.num_hidden_layers)),
+        ),
         block=dict(
             model_dim=c.hidden_size, num_heads=c.num_attention_heads, ffn_dim=c.intermediate_size, norm="pre",
             norm_type="layernorm", norm_eps=c.norm_eps, activation="geglu", use_bias=bool(c.norm_bias),
-            ffn_dropout=float(c.mlp_dropout), init="torch",
+            ffn_dropout=float(c.mlp_dropout), init="torch", attention=dict(rope=True),
         ),
     )
 
@@ -79,8 +81,8 @@ def head_fields(c: Any) -> dict[str, Any]:
         raise refuse("classifier_activation", c.classifier_activation, "jaxblock's pooler reads 'gelu' here")
     if c.classifier_pooling not in ("cls", "mean"):
         raise refuse("classifier_pooling", c.classifier_pooling, "use 'cls' or 'mean'")
-    return {"pooling": c.classifier_pooling, "pooler": "dense", "pooler_activation": "gelu", "pooler_norm": True,
-            "pooler_bias": bool(c.classifier_bias)}
+    return {"pooling": c.classifier_pooling, "dense": True, "activation": "gelu", "norm": True,
+            "bias": bool(c.classifier_bias)}
 
 
 def encoder_map(cfg: EncoderConfig) -> list[Mapping]:
@@ -88,7 +90,7 @@ def encoder_map(cfg: EncoderConfig) -> list[Mapping]:
     rows = [Mapping("embeddings.tok_embeddings.weight", ("embedding",), "same"),
             *norm("embeddings.norm", ("embed_norm",), bias=bias),
             *norm("final_norm", ("stack", "final_norm"), bias=bias)]
-    skip = cfg.layer_attn_norm or (True,) * cfg.num_layers
+    skip = cfg.layers.attn_norm or (True,) * cfg.num_layers
     for i in range(cfg.num_layers):
         hf, ours = f"layers.{i}", ("stack", f"layers_{i}")
         if skip[i]:
@@ -107,47 +109,48 @@ def encoder_map(cfg: EncoderConfig) -> list[Mapping]:
 
 
 def head_map(cfg: EncoderConfig) -> list[Mapping]:
-    return (linear("head.dense", ("pooler",), bias=cfg.pooler_bias)
+    return (linear("head.dense", ("pooler",), bias=cfg.pooler.bias)
             + norm("head.norm", ("pooler_norm",), bias=cfg.block.use_bias) + linear("classifier", ("head",), bias=True))
 
 
 def hf_config(cfg: EncoderConfig, classifier: bool) -> dict[str, Any]:
-    b = cfg.block
-    refuse_extras(cfg, "modernbert", allowed=("layer_windows", "layer_rope_bases", "layer_attn_norm", "pooler",
-                                              "pooler_norm", "pooler_bias"))
-    windows = cfg.layer_windows or (None,) * cfg.num_layers
+    b, a, e, layers, pooler = cfg.block, cfg.block.attention, cfg.embedding, cfg.layers, cfg.pooler
+    refuse_extras(cfg, "modernbert", allowed=("layers.window", "layers.rope_base", "layers.attn_norm", "pooler.dense",
+                                              "pooler.norm", "pooler.bias"))
+    windows = layers.window or (None,) * cfg.num_layers
     local = {w for w in windows if w is not None}
-    bases = cfg.layer_rope_bases or (b.rope_base,) * cfg.num_layers
+    bases = layers.rope_base or (a.rope_base,) * cfg.num_layers
     by_type = {(w is None, base) for w, base in zip(windows, bases, strict=True)}
     first_norm = tuple(i > 0 for i in range(cfg.num_layers))
     checks: list[tuple[str, Any, bool, str]] = [
         ("block.norm", b.norm, b.norm != "pre", "this family is Pre-LN"),
         ("block.norm_type", b.norm_type, b.norm_type != "layernorm", "this family uses LayerNorm"),
         ("block.activation", b.activation, b.activation != "geglu", "the FFN is GeGLU"),
-        ("block.qkv_bias", b.qkv_bias, b.has_qkv_bias != b.use_bias, "one flag covers every bias"),
-        ("block.out_bias", b.out_bias, b.has_out_bias != b.use_bias, "one flag covers every bias"),
+        ("block.attention.qkv_bias", a.qkv_bias, b.has_qkv_bias != b.use_bias, "one flag covers every bias"),
+        ("block.attention.out_bias", a.out_bias, b.has_out_bias != b.use_bias, "one flag covers every bias"),
         ("block.num_kv_heads", b.num_kv_heads, b.kv_heads != b.num_heads, "no grouped-query attention here"),
-        ("block.causal", b.causal, b.causal, "this family is bidirectional"),
+        ("block.attention.causal", a.causal, a.causal, "this family is bidirectional"),
         ("block.ablate", b.ablate, b.ablate != "none", "both branches exist"),
-        ("block.rope_scaling", b.rope_scaling, b.rope_scaling is not None, "RoPE is unscaled here"),
-        ("block.attn_dropout", b.attn_dropout, b.attn_dropout != 0.0, "see attention_dropout when reading"),
+        ("block.attention.rope_scaling", a.rope_scaling, a.rope_scaling is not None, "RoPE is unscaled here"),
+        ("block.attention.dropout", a.dropout, a.dropout != 0.0, "see attention_dropout when reading"),
         ("block.residual_dropout", b.residual_dropout, b.residual_dropout != 0.0, "no residual dropout here"),
-        ("positions", cfg.positions, cfg.positions != "rope", "positions are rotary"),
+        ("block.attention.rope", a.rope, not a.rope, "positions are rotary"),
         ("final_norm", cfg.final_norm, not cfg.has_final_norm, "there is a final norm"),
-        ("embed_norm", cfg.embed_norm, not cfg.embed_norm, "the embedding is normalized"),
-        ("type_vocab_size", cfg.type_vocab_size, cfg.type_vocab_size != 0, "there are no token types"),
-        ("layer_windows", cfg.layer_windows, len(local) > 1, "every local layer has one window"),
-        ("layer_rope_bases", cfg.layer_rope_bases, len(by_type) > 2 or len({g for g, _ in by_type}) < len(by_type),
+        ("embedding.norm", e.norm, not e.norm, "the embedding is normalized"),
+        ("embedding.type_vocab_size", e.type_vocab_size, e.type_vocab_size != 0, "there are no token types"),
+        ("layers.window", layers.window, len(local) > 1, "every local layer has one window"),
+        ("layers.rope_base", layers.rope_base, len(by_type) > 2 or len({g for g, _ in by_type}) < len(by_type),
          "one RoPE base for global layers and one for local layers"),
-        ("layer_attn_norm", cfg.layer_attn_norm, (cfg.layer_attn_norm or (True,) * cfg.num_layers) != first_norm,
+        ("layers.attn_norm", layers.attn_norm, (layers.attn_norm or (True,) * cfg.num_layers) != first_norm,
          "only layer 0 goes without its attention norm"),
     ]
     if classifier:
         checks += [
-            ("pooling", cfg.pooling, cfg.pooling not in ("cls", "mean"), "the head pools by 'cls' or 'mean'"),
-            ("pooler", cfg.pooler, not cfg.has_pooler, "the head has a dense layer"),
-            ("pooler_activation", cfg.pooler_activation, cfg.pooler_activation != "gelu", "the head's is gelu"),
-            ("pooler_norm", cfg.pooler_norm, not cfg.pooler_norm, "the head has a norm after its activation"),
+            ("pooler.pooling", pooler.pooling, pooler.pooling not in ("cls", "mean"),
+             "the head pools by 'cls' or 'mean'"),
+            ("pooler.dense", pooler.dense, not pooler.has_dense, "the head has a dense layer"),
+            ("pooler.activation", pooler.activation, pooler.activation != "gelu", "the head's is gelu"),
+            ("pooler.norm", pooler.norm, not pooler.norm, "the head has a norm after its activation"),
         ]
     check_all(checks, "modernbert")
     theta = {("full" if glob else "local"): base for glob, base in by_type}
@@ -156,13 +159,13 @@ def hf_config(cfg: EncoderConfig, classifier: bool) -> dict[str, Any]:
         num_hidden_layers=cfg.num_layers, num_attention_heads=b.num_heads, hidden_activation="gelu",
         max_position_embeddings=cfg.max_len, norm_eps=b.norm_eps, norm_bias=b.use_bias,
         attention_bias=b.use_bias, mlp_bias=b.use_bias, mlp_dropout=b.ffn_dropout,
-        embedding_dropout=cfg.embed_dropout, attention_dropout=0.0,
+        embedding_dropout=e.dropout, attention_dropout=0.0,
         layer_types=[_FULL if w is None else _SLIDING for w in windows],
         local_attention=2 * (local.pop() if local else 64),
-        rope_parameters={_FULL: {"rope_type": "default", "rope_theta": theta.get("full", b.rope_base)},
-                         _SLIDING: {"rope_type": "default", "rope_theta": theta.get("local", b.rope_base)}},
-        classifier_pooling=cfg.pooling if cfg.pooling in ("cls", "mean") else "cls",
-        classifier_bias=cfg.pooler_bias, classifier_activation="gelu", num_labels=cfg.num_classes,
+        rope_parameters={_FULL: {"rope_type": "default", "rope_theta": theta.get("full", a.rope_base)},
+                         _SLIDING: {"rope_type": "default", "rope_theta": theta.get("local", a.rope_base)}},
+        classifier_pooling=pooler.pooling if pooler.pooling in ("cls", "mean") else "cls",
+        classifier_bias=pooler.bias, classifier_activation="gelu", num_labels=cfg.num_classes,
     )
 
 
@@ -170,6 +173,6 @@ FAMILY = Family(
     name="modernbert", model_types=("modernbert",), hf_class="ModernBert", prefix="model", defaults=_DEFAULTS,
     encoder_fields=encoder_fields, encoder_map=encoder_map, head_fields=head_fields, head_map=head_map,
     hf_config=hf_config,
-    matches=lambda cfg: cfg.positions == "rope" and cfg.embed_norm and cfg.block.norm_type == "layernorm",
+    matches=lambda cfg: cfg.block.attention.rope and cfg.embedding.norm and cfg.block.norm_type == "layernorm",
     priority=25,
 )

@@ -13,7 +13,7 @@ FAMILY = Family(
                   layer_norm_eps=1e-12, pad_token_id=1, is_decoder=False, add_cross_attention=False),
     encoder_fields=partial(bert_like.encoder_fields, layout="roberta"),
     encoder_map=partial(bert_like.encoder_map, layout="roberta"),
-    head_fields=lambda c: {"pooling": "cls", "pooler_activation": "tanh"},
+    head_fields=lambda c: {"pooling": "cls", "activation": "tanh"},
     head_map=lambda cfg: bert_like.head_map("classifier.dense", "classifier.out_proj"),
     hf_config=partial(bert_like.hf_config, layout="roberta", family="roberta", pooler_activation="tanh"),
     matches=partial(bert_like.matches, layout="roberta"), priority=30,
