@@ -13,9 +13,9 @@ import tempfile
 
 # Bytecode is cached for the suite's own imports even where the environment sets PYTHONDONTWRITEBYTECODE
 # (as container images often do): otherwise every xdist worker compiles the checkout's modules from source
-# and pytest rewrites the asserts of every test module again on every run, half of each worker's collection
-# (7.9 -> 5.6 s with the cache, on a 2-core AMD EPYC). The files go to the __pycache__ folders git ignores;
-# an unwritable checkout only loses the saving.
+# and pytest rewrites the asserts of every test module again on every run, a third of each worker's
+# collection. The files go to the __pycache__ folders git ignores; an unwritable checkout only loses the
+# saving.
 sys.dont_write_bytecode = False
 
 # Most of the suite's time is XLA compiling hundreds of tiny programs whose run time does not matter. For
@@ -36,9 +36,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # the same programs (the in-memory jit cache misses on new optimizer closures), and the two workers compile
 # many of the same small programs (eager operations, the shared tiny configs' steps). Every program is
 # written, however fast it compiled (JAX writes only those that took a second by default, we wrote those
-# over 0.5 s): a hit is one file read, and the suite took 159 s instead of 198 s on a 2-core AMD EPYC
-# (docs/performance-cpu.md). The directory is this run's own, made here and removed at exit, so nothing
-# another run, checkout or jaxlib compiled can be read (a JAX_COMPILATION_CACHE_DIR of the user's is used as
+# over 0.5 s): a hit is one file read. The directory is this run's own, made here and removed at exit, so
+# nothing another run, checkout or jaxlib compiled can be read (a JAX_COMPILATION_CACHE_DIR of the user's is used as
 # given); within the run an entry is keyed by the program, the XLA flags and jaxlib, and a file the other
 # worker is still writing reads as an error that JAX turns into a warning and a fresh compile.
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
@@ -47,8 +46,7 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     atexit.register(shutil.rmtree, _cache, ignore_errors=True)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 # Lowering writes each operation's whole Python traceback into its MLIR location; the tests read op names
-# (the name stack), never those frames. Without them, on a 2-core AMD EPYC: test_model, test_block and
-# test_attention in one process 33.2 -> 32.0 s (interleaved), the whole suite 142.8 -> 141.2 s (one pair).
+# (the name stack), never those frames (train/aot/programs.py turns them back on while it lowers).
 os.environ.setdefault("JAX_INCLUDE_FULL_TRACEBACKS_IN_LOCATIONS", "0")
 # Only the jaxblock library is installed (pyproject): the `python -m train` subprocesses find the
 # checkout's train/ and bench/ through PYTHONPATH whatever directory the suite runs from.

@@ -37,10 +37,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
-import shutil
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -51,8 +48,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from train.errors import NO_SPACE_ERRNOS, CheckpointError, ConfigError, DiskFullError, UsageError
+from train.errors import CheckpointError, ConfigError, UsageError
 from train.export_tokenizer import exported_tokenizer
+from train.workdir.files import replace_dir
 
 FORMAT = "jaxblock-export/1"
 MODEL_FILE = "model.jax"
@@ -290,43 +288,6 @@ def write_export(source: Source, out: Path, platforms: list[str], params_in: str
         return info
 
     return replace_dir(out, write, what="export")
-
-
-def replace_dir(out: Path, write: Callable[[Path], Any], *, what: str) -> Any:
-    """Run `write(tmp)` on a new directory beside `out`, then rename it to `out` (an earlier export there
-    is replaced only then). ConfigError/DiskFullError (one line) when `out` cannot be written."""
-    out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise ConfigError(f"--out {out} is a file: pass a directory to write the {what} into")
-    ours = (out / MANIFEST_FILE).is_file() or (out / "config.json").is_file()  # an earlier export, either format
-    if out.is_dir() and any(out.iterdir()) and not ours:
-        raise ConfigError(f"--out {out} is a directory that holds something other than an export: pass a new or "
-                          "empty directory")
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
-    except OSError as err:
-        raise ConfigError(f"cannot write the {what} into {out} ({err.strerror}): pass a writable --out") from None
-    try:
-        result = write(tmp)
-        os.chmod(tmp, 0o755)  # mkdtemp's 0700 and the writers' modes: readable like any other output
-        for path in tmp.iterdir():
-            os.chmod(path, 0o644)
-        old = None
-        if out.exists():
-            old = out.parent / f".{out.name}.old-{os.getpid()}"
-            os.replace(out, old)
-        os.replace(tmp, out)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-        return result
-    except OSError as err:
-        if err.errno in NO_SPACE_ERRNOS:
-            raise DiskFullError(err.errno, f"disk full while writing the {what} into {out}: free space and run the "
-                                "command again (nothing was left under that name)") from None
-        raise ConfigError(f"cannot write the {what} into {out} ({err.strerror}): pass a writable --out") from None
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 # --- the command --------------------------------------------------------------------------------

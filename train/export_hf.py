@@ -1,6 +1,6 @@
 """`python -m train export --format hf`: a trained run as a transformers directory (config.json with the
 labels as id2label, model.safetensors, the tokenizer), through `jaxblock.interop.hf.to_hf`; it needs the
-`hf` extra. Written as the jax.export artifact is (train/export.py `replace_dir`): into a new directory,
+`hf` extra. Written as the jax.export artifact is (train/workdir/files.py `replace_dir`): into a new directory,
 renamed into place at the end."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import jax
 import numpy as np
 
 from train.errors import ConfigError
-from train.export import replace_dir
 from train.export_tokenizer import exported_tokenizer
+from train.workdir.files import replace_dir
 
 
 def write_hf(workdir: Path, out: Path, step: int | None = None) -> dict[str, Any]:

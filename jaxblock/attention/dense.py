@@ -21,7 +21,7 @@ Why a kernel of our own: autodiff of the plain softmax reduces over [L, L] twice
 CPU backend, lays the batched matmuls out with transposed operands; a boolean select as the mask
 (instead of the additive B) kept the scores out of the matmul's fusion. At the benchmark shapes this
 forward plus backward took ~0.55x (N16 L128 H4) and ~0.4x (N8 L256 H8) of the time of XLA's
-`dot_product_attention` (docs/performance-cpu.md has the measurements).
+`dot_product_attention` (docs/performance.md: how it is measured).
 
 Layout: heads are laid out [N, G, R*L, K] (the R query heads of one k/v head stacked along the
 rows), so every product is one plain batched matmul over (N, G); q, k, v and the output are
@@ -112,7 +112,7 @@ def _core_bwd(rate: float, res: tuple[Any, ...], dout: jax.Array) -> tuple[Any, 
     pv = _dropped(p, keep, rate).astype(dt)
     # dV and dK are computed transposed ([.., K, L]) and swapped back: that form puts the [L, K] operand
     # first, which XLA's CPU backend runs ~1.5x faster than dS^T Q at L = 256, and the swap folds into
-    # the head transpose outside the kernel (docs/performance-cpu.md).
+    # the head transpose outside the kernel.
     dv = jnp.einsum("NGQK,NGQM->NGKM", do, pv, preferred_element_type=jnp.float32).swapaxes(-1, -2)
     dp = _dropped(jnp.einsum("NGQK,NGMK->NGQM", do, vh, preferred_element_type=jnp.float32), keep, rate)
     delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1, keepdims=True)  # [N, G, R*L, 1]

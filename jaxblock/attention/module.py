@@ -163,11 +163,13 @@ class SelfAttention(nn.Module):
         (qk, qb), (kk, kb), (vk, vb) = self.query(), self.key(), self.value()
         h, g = cfg.num_heads, cfg.kv_heads
         if cfg.attention.fused_qkv and g == h:
-            w = jnp.concatenate([qk, kk, vk], axis=1).astype(dt)  # [D, 3H, K]
-            qkv = jnp.einsum("NLD,DHK->NLHK", x, w)  # [N, L, 3H, K]
+            # Stacked on an axis of their own, not concatenated along H: heads split over a mesh stay split the
+            # same way in q, k and v, and taking each one out of the product moves nothing between devices.
+            w = jnp.stack([qk, kk, vk], axis=1).astype(dt)  # [D, 3, H, K]
+            qkv = jnp.einsum("NLD,DTHK->NLTHK", x, w)  # [N, L, 3, H, K]
             if qb is not None and kb is not None and vb is not None:
-                qkv = qkv + jnp.concatenate([qb, kb, vb], axis=0).astype(dt)[None, None]
-            return qkv[:, :, :h], qkv[:, :, h : 2 * h], qkv[:, :, 2 * h :]
+                qkv = qkv + jnp.stack([qb, kb, vb], axis=0).astype(dt)[None, None]
+            return qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
         outs: list[jax.Array] = []
         for kern, b in ((qk, qb), (kk, kb), (vk, vb)):
             y = jnp.einsum("NLD,DGK->NLGK", x, kern.astype(dt))

@@ -59,7 +59,7 @@ class Table:
 
 def search(resolved: shapes.Resolved, devices: list[Any], target: targets.Target, config_path: str,
            overrides: list[str]) -> Table:
-    from train.aot.compile import compile_run
+    from train.aot.compiled import compile_run
 
     config = resolved.config
     data_parallel = math.prod(n for axis, n in resolved.mesh.items() if axis in ("data", "fsdp"))

@@ -17,7 +17,7 @@ SAVED_FORMAT = "jaxblock-compiled/1"
 
 
 def text(result: Any) -> str:
-    from train.aot.compile import verdict
+    from train.aot.compiled import verdict
 
     target = result.target
     lines = [f"{result.config or 'config'} compiled for {target.describe_chips(result.chip)}: {result.mesh}"

@@ -31,7 +31,7 @@ from orbax.checkpoint import checkpoint_managers
 
 from jaxblock.config import migrate_model
 from train.checkpoints import event_loops
-from train.config import CheckpointConfig, Config, ConfigError, config_from_dict
+from train.config import DEFAULT_RULES, CheckpointConfig, Config, ConfigError, config_from_dict
 from train.errors import CheckpointError, DamagedCheckpointError
 from train.loop.state import TrainState
 
@@ -205,12 +205,31 @@ def read_run_config(workdir: Path) -> Config:
         raise CheckpointError(f"{path} is not a valid run config ({err}): restore it from the run") from None
 
 
+# The default parallel.rules before activations had logical axes of their own: a run saved with them runs
+# with today's defaults, which place parameters the same way and constrain activations too.
+_DEFAULT_RULES_BEFORE_ACTIVATIONS = [
+    ["batch", ["data", "fsdp"]], ["length", "context"], ["vocab", "tensor"], ["embed", "fsdp"], ["heads", "tensor"],
+    ["kv_heads", "tensor"], ["mlp", "tensor"], ["head_dim", None], ["layers", None]]
+
+
 def migrate_run_config(raw: Any) -> Any:
-    """A saved run config (dict) with its `model` section in the current key layout (jaxblock.config
-    .migrate_model): earlier runs keep loading, resuming and serving as `model.init_from`."""
-    if isinstance(raw, dict) and isinstance(raw.get("model"), dict):
-        return {**raw, "model": migrate_model(raw["model"])}
-    return raw
+    """A saved run config (dict) in the current layout: its `model` section's keys (jaxblock.config
+    .migrate_model), and the default parallel.rules of earlier releases replaced by today's. Earlier runs keep
+    loading, resuming and serving as `model.init_from`."""
+    if not isinstance(raw, dict):
+        return raw
+    out = dict(raw)
+    if isinstance(out.get("model"), dict):
+        out["model"] = migrate_model(out["model"])
+    parallel = out.get("parallel")
+    if isinstance(parallel, dict) and _as_lists(parallel.get("rules")) == _DEFAULT_RULES_BEFORE_ACTIVATIONS:
+        out["parallel"] = {**parallel, "rules": [[name, list(axes) if isinstance(axes, tuple) else axes]
+                                                 for name, axes in DEFAULT_RULES]}
+    return out
+
+
+def _as_lists(value: Any) -> Any:
+    return [_as_lists(v) for v in value] if isinstance(value, (list, tuple)) else value
 
 
 def inference_state(model: nn.Module, params: Any) -> TrainState:
