@@ -19,6 +19,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+# The score of a key a query may not see: the lowest float32, finite (an exp() of it minus any real score is
+# exactly 0), so a row with no visible key stays finite everywhere.
+NEG = float(jnp.finfo(jnp.float32).min)
+
 
 def check_valid_tokens(valid_tokens: jax.Array, batch_shape: tuple[int, ...]) -> None:
     """Trace-time check: valid_tokens must be bool[N, L] matching x's leading axes."""

@@ -1,4 +1,4 @@
-"""Chunked (memory-efficient) attention: an online softmax over key blocks, flash-attention style.
+"""Chunked (memory-efficient) attention: the online softmax over key blocks (online_softmax.py), flash style.
 
 Shapes as in the package: q [N, L, H, K]; k, v [N, L, G, K]; J a key block (`attention.chunk_size`).
 """
@@ -6,15 +6,13 @@ Shapes as in the package: q [N, L, H, K]; k, v [N, L, G, K]; J a key block (`att
 from __future__ import annotations
 
 import functools
-import math
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from jaxblock import masks
-
-_NEG = float(jnp.finfo(jnp.float32).min)
+from jaxblock.attention import online_softmax
 
 
 def chunked_attention(
@@ -65,7 +63,7 @@ class _KeyMasks(NamedTuple):
     window: jax.Array | None = None  # int scalar: keys at most this far from the query (-1: all)
 
 
-def _block_mask(m: _KeyMasks, start: jax.Array, c: int, causal: bool) -> jax.Array:
+def _block_mask(m: _KeyMasks, start: jax.Array, c: int, *, causal: bool) -> jax.Array:
     """bool[N, 1, 1, L, J]: the (query, key) pairs of key block [start, start + J) that may attend."""
     length = m.seg.shape[1]
     ok = jax.lax.dynamic_slice_in_dim(m.valid, start, c, axis=1)[:, None, :]  # [N, 1, J]
@@ -79,11 +77,6 @@ def _block_mask(m: _KeyMasks, start: jax.Array, c: int, causal: bool) -> jax.Arr
     return ok[:, None, None]  # [N, L, J] -> [N, 1, 1, L, J]
 
 
-def _block(kp: jax.Array, vp: jax.Array, start: jax.Array, c: int) -> tuple[jax.Array, jax.Array]:
-    return (jax.lax.dynamic_slice_in_dim(kp, start, c, axis=1),  # [N, J, G, K]
-            jax.lax.dynamic_slice_in_dim(vp, start, c, axis=1))
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
 def _flash(qg: jax.Array, kp: jax.Array, vp: jax.Array, m: _KeyMasks, causal: bool, c: int) -> jax.Array:
     """qg [N, L, G, R, K], kp/vp [N, Lp, G, K] -> out [N, G, R, L, K]."""
@@ -93,57 +86,17 @@ def _flash(qg: jax.Array, kp: jax.Array, vp: jax.Array, m: _KeyMasks, causal: bo
 def _flash_fwd(
     qg: jax.Array, kp: jax.Array, vp: jax.Array, m: _KeyMasks, causal: bool, c: int
 ) -> tuple[jax.Array, tuple[Any, ...]]:
-    n, length, g, r, kdim = qg.shape
-    scale = 1.0 / math.sqrt(kdim)
-
-    def body(carry: tuple[jax.Array, jax.Array, jax.Array], i: jax.Array) -> tuple[Any, None]:
-        m_run, l_run, acc = carry
-        k_c, v_c = _block(kp, vp, i * c, c)
-        mk = _block_mask(m, i * c, c, causal)
-        s = jnp.einsum("NQGRK,NJGK->NGRQJ", qg, k_c, preferred_element_type=jnp.float32) * scale
-        s = jnp.where(mk, s, _NEG)
-        m_new = jnp.maximum(m_run, jnp.max(s, axis=-1))  # [N, G, R, L]
-        p = jnp.where(mk, jnp.exp(s - m_new[..., None]), 0.0)  # [N, G, R, L, J]
-        corr = jnp.exp(m_run - m_new)
-        pv = jnp.einsum("NGRQJ,NJGK->NGRQK", p.astype(vp.dtype), v_c, preferred_element_type=jnp.float32)
-        return (m_new, l_run * corr + jnp.sum(p, axis=-1), acc * corr[..., None] + pv), None
-
-    init = (
-        jnp.full((n, g, r, length), _NEG, jnp.float32),
-        jnp.zeros((n, g, r, length), jnp.float32),
-        jnp.zeros((n, g, r, length, kdim), jnp.float32),
-    )
-    (m_fin, l_fin, acc), _ = jax.lax.scan(body, init, jnp.arange(kp.shape[1] // c))
-    seen = l_fin > 0  # [N, G, R, L]: the query sees at least one key
-    l_safe = jnp.where(seen, l_fin, 1.0)
-    out = jnp.where(seen[..., None], acc / l_safe[..., None], 0.0).astype(qg.dtype)
-    lse = jnp.where(seen, m_fin + jnp.log(l_safe), 0.0)  # log-sum-exp of each query's scores
+    mask_at = functools.partial(_block_mask, m, causal=causal)
+    out, lse = online_softmax.finish(online_softmax.fold(online_softmax.start(qg), qg, kp, vp, mask_at, 0, c),
+                                     qg.dtype)
     return out, (qg, kp, vp, m, out, lse)
 
 
 def _flash_bwd(causal: bool, c: int, res: tuple[Any, ...], dout: jax.Array) -> tuple[Any, ...]:
     qg, kp, vp, m, out, lse = res
-    scale = 1.0 / math.sqrt(qg.shape[-1])
-    do = dout.astype(qg.dtype)  # [N, G, R, L, K]
-    # d(softmax): dS = P * (dP - rowsum(dO * O)); a query with no visible key has P = 0 throughout.
-    delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)  # [N, G, R, L]
-
-    def body(dq: jax.Array, i: jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-        k_c, v_c = _block(kp, vp, i * c, c)
-        mk = _block_mask(m, i * c, c, causal)
-        s = jnp.einsum("NQGRK,NJGK->NGRQJ", qg, k_c, preferred_element_type=jnp.float32) * scale
-        p = jnp.where(mk, jnp.exp(s - lse[..., None]), 0.0)  # [N, G, R, L, J]
-        dv = jnp.einsum("NGRQJ,NGRQK->NJGK", p.astype(vp.dtype), do, preferred_element_type=jnp.float32)
-        dp = jnp.einsum("NGRQK,NJGK->NGRQJ", do, v_c, preferred_element_type=jnp.float32)
-        ds = (p * (dp - delta[..., None]) * scale).astype(qg.dtype)
-        dq = dq + jnp.einsum("NGRQJ,NJGK->NQGRK", ds, k_c, preferred_element_type=jnp.float32)
-        dk = jnp.einsum("NGRQJ,NQGRK->NJGK", ds, qg, preferred_element_type=jnp.float32)
-        return dq, (dk.astype(kp.dtype), dv.astype(vp.dtype))
-
-    dq, (dk, dv) = jax.lax.scan(body, jnp.zeros(qg.shape, jnp.float32), jnp.arange(kp.shape[1] // c))
-    # Per-block key gradients [Lp/J, N, J, G, K] -> [N, Lp, G, K]
-    dk = jnp.moveaxis(dk, 0, 1).reshape(kp.shape)
-    dv = jnp.moveaxis(dv, 0, 1).reshape(vp.shape)
+    mask_at = functools.partial(_block_mask, m, causal=causal)
+    dq, dk, dv = online_softmax.grads(qg, dout.astype(qg.dtype), lse, online_softmax.row_term(dout, out), kp, vp,
+                                      mask_at, 0, c, key_dtype=kp.dtype)
     no_grad = jax.tree.map(lambda _: None, m)  # masks are not differentiable
     return dq.astype(qg.dtype), dk, dv, no_grad
 

@@ -28,7 +28,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
-import math
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
@@ -37,10 +36,10 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxblock import masks
+from jaxblock.attention import online_softmax
 from jaxblock.attention.platform import MeshLayout, mesh_layout
 
 STRATEGIES = ("all_gather", "ring")
-_NEG = float(jnp.finfo(jnp.float32).min)
 _STRATEGY: contextvars.ContextVar[str] = contextvars.ContextVar("jaxblock_context_strategy", default="all_gather")
 
 
@@ -162,7 +161,7 @@ def _chunk(keys: int, chunk: int) -> int:
     return max(d for d in range(1, min(chunk, keys) + 1) if keys % d == 0)
 
 
-def _mask(m: _Masks, k0: jax.Array, j: int, st: _Static) -> jax.Array:
+def _mask(m: _Masks, k0: jax.Array, j: int, *, st: _Static) -> jax.Array:
     """bool[N, 1, 1, Q, J]: which of this device's queries may see keys [k0, k0 + J) (global indices)."""
     lq = m.seg_q.shape[1]
     ok = jax.lax.dynamic_slice_in_dim(m.valid, k0, j, axis=1)[:, None, :]  # [N, 1, J]
@@ -177,77 +176,18 @@ def _mask(m: _Masks, k0: jax.Array, j: int, st: _Static) -> jax.Array:
     return ok[:, None, None]  # [N, Q, J] -> [N, 1, 1, Q, J]
 
 
-Carry = tuple[jax.Array, jax.Array, jax.Array]  # running max, running sum [N, G, R, Q]; acc [N, G, R, Q, K]
-
-
-def _init(qg: jax.Array) -> Carry:
-    n, lq, g, r, kdim = qg.shape
-    return (jnp.full((n, g, r, lq), _NEG, jnp.float32), jnp.zeros((n, g, r, lq), jnp.float32),
-            jnp.zeros((n, g, r, lq, kdim), jnp.float32))
-
-
-def _forward(carry: Carry, qg: jax.Array, kb: jax.Array, vb: jax.Array, m: _Masks, k0: jax.Array,
-             st: _Static) -> Carry:
-    """Fold keys [k0, k0 + kb.shape[1]) into the running softmax, J keys at a time."""
-    j = _chunk(kb.shape[1], st.chunk)
-    scale = 1.0 / math.sqrt(qg.shape[-1])
-
-    def body(carry: Carry, i: jax.Array) -> tuple[Carry, None]:
-        m_run, l_run, acc = carry
-        kc = jax.lax.dynamic_slice_in_dim(kb, i * j, j, axis=1)  # [N, J, G, K]
-        vc = jax.lax.dynamic_slice_in_dim(vb, i * j, j, axis=1)
-        mk = _mask(m, k0 + i * j, j, st)
-        s = jnp.einsum("NQGRK,NJGK->NGRQJ", qg, kc, preferred_element_type=jnp.float32) * scale
-        s = jnp.where(mk, s, _NEG)
-        m_new = jnp.maximum(m_run, jnp.max(s, axis=-1))  # [N, G, R, Q]
-        p = jnp.where(mk, jnp.exp(s - m_new[..., None]), 0.0)  # [N, G, R, Q, J]
-        corr = jnp.exp(m_run - m_new)
-        pv = jnp.einsum("NGRQJ,NJGK->NGRQK", p.astype(vb.dtype), vc, preferred_element_type=jnp.float32)
-        return (m_new, l_run * corr + jnp.sum(p, axis=-1), acc * corr[..., None] + pv), None
-
-    carry, _ = jax.lax.scan(body, carry, jnp.arange(kb.shape[1] // j))
-    return carry
-
-
-def _finish(carry: Carry, dtype: Any) -> tuple[jax.Array, jax.Array]:
-    """out [N, G, R, Q, K] (0 for a query that saw no key) and each query's log-sum-exp [N, G, R, Q]."""
-    m_fin, l_fin, acc = carry
-    seen = l_fin > 0
-    l_safe = jnp.where(seen, l_fin, 1.0)
-    out = jnp.where(seen[..., None], acc / l_safe[..., None], 0.0).astype(dtype)
-    return out, jnp.where(seen, m_fin + jnp.log(l_safe), 0.0)
+def _fold(carry: online_softmax.Carry, qg: jax.Array, kb: jax.Array, vb: jax.Array, m: _Masks, k0: jax.Array,
+          st: _Static) -> online_softmax.Carry:
+    """Fold keys [k0, k0 + kb.shape[1]) (global indices) into this device's queries' running softmax."""
+    mask_at = functools.partial(_mask, m, st=st)
+    return online_softmax.fold(carry, qg, kb, vb, mask_at, k0, _chunk(kb.shape[1], st.chunk))
 
 
 def _backward(qg: jax.Array, do: jax.Array, lse: jax.Array, delta: jax.Array, kb: jax.Array, vb: jax.Array,
               m: _Masks, k0: jax.Array, st: _Static) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """This device's queries' share of the gradients for keys [k0, k0 + kb.shape[1]): dQ [N, Q, G, R, K]
-    (float32), dK, dV [N, keys, G, K] (float32). P is recomputed from the saved log-sum-exp."""
-    j = _chunk(kb.shape[1], st.chunk)
-    scale = 1.0 / math.sqrt(qg.shape[-1])
-
-    def body(dq: jax.Array, i: jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-        kc = jax.lax.dynamic_slice_in_dim(kb, i * j, j, axis=1)
-        vc = jax.lax.dynamic_slice_in_dim(vb, i * j, j, axis=1)
-        mk = _mask(m, k0 + i * j, j, st)
-        s = jnp.einsum("NQGRK,NJGK->NGRQJ", qg, kc, preferred_element_type=jnp.float32) * scale
-        p = jnp.where(mk, jnp.exp(s - lse[..., None]), 0.0)  # [N, G, R, Q, J]
-        dv = jnp.einsum("NGRQJ,NGRQK->NJGK", p.astype(vb.dtype), do, preferred_element_type=jnp.float32)
-        dp = jnp.einsum("NGRQK,NJGK->NGRQJ", do, vc, preferred_element_type=jnp.float32)
-        ds = (p * (dp - delta[..., None]) * scale).astype(qg.dtype)
-        dq = dq + jnp.einsum("NGRQJ,NJGK->NQGRK", ds, kc, preferred_element_type=jnp.float32)
-        dk = jnp.einsum("NGRQJ,NQGRK->NJGK", ds, qg, preferred_element_type=jnp.float32)
-        return dq, (dk, dv)
-
-    dq, (dk, dv) = jax.lax.scan(body, jnp.zeros(qg.shape, jnp.float32), jnp.arange(kb.shape[1] // j))
-    # Per-block key gradients [keys/J, N, J, G, K] -> [N, keys, G, K]
-    dk = jnp.moveaxis(dk, 0, 1).reshape(kb.shape[0], -1, *kb.shape[2:])
-    dv = jnp.moveaxis(dv, 0, 1).reshape(vb.shape[0], -1, *vb.shape[2:])
-    return dq, dk, dv
-
-
-def _delta(dout: jax.Array, out: jax.Array) -> jax.Array:
-    """rowsum(dO * O) [N, G, R, Q]: the softmax gradient's row term (0 for a query that saw no key)."""
-    return jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
+    """This device's queries' share of the gradients for keys [k0, k0 + kb.shape[1]), float32."""
+    mask_at = functools.partial(_mask, m, st=st)
+    return online_softmax.grads(qg, do, lse, delta, kb, vb, mask_at, k0, _chunk(kb.shape[1], st.chunk))
 
 
 # --- all_gather: the whole sequence's keys on every device ----------------------------------------------
@@ -261,13 +201,14 @@ def _gathered(qg: jax.Array, kf: jax.Array, vf: jax.Array, m: _Masks, st: _Stati
 
 def _gathered_fwd(qg: jax.Array, kf: jax.Array, vf: jax.Array, m: _Masks, st: _Static
                   ) -> tuple[jax.Array, tuple[Any, ...]]:
-    out, lse = _finish(_forward(_init(qg), qg, kf, vf, m, jnp.int32(0), st), qg.dtype)
+    out, lse = online_softmax.finish(_fold(online_softmax.start(qg), qg, kf, vf, m, jnp.int32(0), st), qg.dtype)
     return out, (qg, kf, vf, m, out, lse)
 
 
 def _gathered_bwd(st: _Static, res: tuple[Any, ...], dout: jax.Array) -> tuple[Any, ...]:
     qg, kf, vf, m, out, lse = res
-    dq, dk, dv = _backward(qg, dout.astype(qg.dtype), lse, _delta(dout, out), kf, vf, m, jnp.int32(0), st)
+    dq, dk, dv = _backward(qg, dout.astype(qg.dtype), lse, online_softmax.row_term(dout, out), kf, vf, m,
+                           jnp.int32(0), st)
     return dq.astype(qg.dtype), dk.astype(kf.dtype), dv.astype(vf.dtype), jax.tree.map(lambda _: None, m)
 
 
@@ -297,15 +238,15 @@ def _ring(qg: jax.Array, kl: jax.Array, vl: jax.Array, m: _Masks, st: _Static) -
 def _ring_fwd(qg: jax.Array, kl: jax.Array, vl: jax.Array, m: _Masks, st: _Static
               ) -> tuple[jax.Array, tuple[Any, ...]]:
     block = kl.shape[1]
-    carry = _forward(_init(qg), qg, kl, vl, m, _source_start(st, jnp.int32(0), block), st)
+    carry = _fold(online_softmax.start(qg), qg, kl, vl, m, _source_start(st, jnp.int32(0), block), st)
 
-    def hop(state: tuple[Carry, jax.Array, jax.Array], s: jax.Array) -> tuple[Any, None]:
+    def hop(state: tuple[online_softmax.Carry, jax.Array, jax.Array], s: jax.Array) -> tuple[Any, None]:
         carry, kb, vb = state
         kb, vb = _pass_on(st, kb, vb)
-        return (_forward(carry, qg, kb, vb, m, _source_start(st, s, block), st), kb, vb), None
+        return (_fold(carry, qg, kb, vb, m, _source_start(st, s, block), st), kb, vb), None
 
     (carry, _, _), _ = jax.lax.scan(hop, (carry, kl, vl), jnp.arange(1, st.shards))
-    out, lse = _finish(carry, qg.dtype)
+    out, lse = online_softmax.finish(carry, qg.dtype)
     return out, (qg, kl, vl, m, out, lse)
 
 
@@ -313,7 +254,7 @@ def _ring_bwd(st: _Static, res: tuple[Any, ...], dout: jax.Array) -> tuple[Any, 
     qg, kl, vl, m, out, lse = res
     block = kl.shape[1]
     do = dout.astype(qg.dtype)
-    delta = _delta(dout, out)
+    delta = online_softmax.row_term(dout, out)
 
     def visit(dq: jax.Array, kb: jax.Array, vb: jax.Array, dkb: jax.Array, dvb: jax.Array, s: jax.Array
               ) -> tuple[jax.Array, jax.Array, jax.Array]:

@@ -38,7 +38,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-_NEG = float(jnp.finfo(jnp.float32).min)
+from jaxblock import masks
 
 
 def dense_attention(
@@ -63,7 +63,7 @@ def dense_attention(
     qh = q.reshape(n, length, g, r, kdim).transpose(0, 2, 3, 1, 4).reshape(n, g, r * length, kdim)
     kh = k.transpose(0, 2, 1, 3)  # [N, G, L, K]
     vh = v.transpose(0, 2, 1, 3)
-    bias = jnp.where(mask, 0.0, _NEG)  # [N or 1, 1, L, L] float32
+    bias = jnp.where(mask, 0.0, masks.NEG)  # [N or 1, 1, L, L] float32
     rows = seen.astype(jnp.float32)[:, None, :, None]  # [N, 1, L, 1]
     if r > 1:  # the same rows for each of the R stacked query heads
         bias = jnp.broadcast_to(bias[:, :, None], (bias.shape[0], 1, r, length, length))

@@ -33,8 +33,6 @@ from jaxblock.config import BlockConfig
 from jaxblock.initializers import Weights, bias_init, kernel_init
 from jaxblock.positions import apply_rope, rope_frequencies
 
-_NEG = float(jnp.finfo(jnp.float32).min)
-
 
 class SelfAttention(nn.Module):
     """Multi-head self-attention. Call: (x [N, L, D], valid_tokens bool[N, L]) -> [N, L, D]."""
@@ -185,7 +183,7 @@ class SelfAttention(nn.Module):
             "NQGRK,NMGK->NGRQM", qg, k, preferred_element_type=jnp.float32
         ) / math.sqrt(kdim)  # [N, G, R, L, L]
         m = mask[:, :, None]  # [N, 1, 1, L, L]
-        logits = jnp.where(m, logits, _NEG)
+        logits = jnp.where(m, logits, masks.NEG)
         weights = jnp.where(m, jax.nn.softmax(logits, axis=-1), 0.0)
         self.sow("intermediates", "attention_weights", weights.reshape(n, h, length, length))
         weights = self.weights_dropout(weights, deterministic=not train)
