@@ -194,6 +194,16 @@ def last_token(x: jax.Array, valid_tokens: jax.Array) -> jax.Array:
     return jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0].astype(jnp.float32)
 
 
+def pool_tokens(pooling: str, x: jax.Array, valid_tokens: jax.Array) -> jax.Array:
+    """[N, L, D] -> float32[N, D] as the Classifier pools before its head: 'cls' token 0, 'last' the last real
+    token, 'mean' the mean over real tokens."""
+    if pooling == "cls":
+        return x[:, 0].astype(jnp.float32)
+    if pooling == "last":
+        return last_token(x, valid_tokens)
+    return masked_mean(x, valid_tokens)
+
+
 _POOLER_ACTIVATIONS = {"tanh": jnp.tanh, "relu": jax.nn.relu, "gelu": gelu_exact}
 
 
@@ -227,12 +237,8 @@ class Classifier(nn.Module):
             if cfg.pooler.pooling != "mean":
                 raise ValueError(f"packed rows need pooler.pooling='mean', not '{cfg.pooler.pooling}': unpack them")
             pooled = segment_mean(h, valid_tokens, segment_ids, num_segments)  # [N, S, D]
-        elif cfg.pooler.pooling == "cls":
-            pooled = h[:, 0].astype(jnp.float32)  # [N, D]
-        elif cfg.pooler.pooling == "last":
-            pooled = last_token(h, valid_tokens)  # [N, D]
         else:
-            pooled = masked_mean(h, valid_tokens)  # [N, D]
+            pooled = pool_tokens(cfg.pooler.pooling, h, valid_tokens)  # [N, D]
         if cfg.pooler.has_dense:
             pooled = nn.Dense(
                 cfg.block.model_dim,

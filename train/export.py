@@ -48,7 +48,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from train.errors import CheckpointError, ConfigError, UsageError
+from train.errors import CheckpointError, UsageError
 from train.export_tokenizer import exported_tokenizer
 from train.workdir.files import replace_dir
 
@@ -95,7 +95,6 @@ def _portable(model: Any) -> Any:
 
 def from_workdir(workdir: Path, step: int | None = None) -> Source:
     """The run's best checkpoint (or `step`): a classifier, or the encoder of a masked-LM run."""
-    from jaxblock.model import Classifier, Encoder, last_token, masked_mean
     from train.checkpoints.restore import restore_run
     from train.tasks import task_for
 
@@ -110,33 +109,9 @@ def from_workdir(workdir: Path, step: int | None = None) -> Source:
     data = run.config.data
     max_len = min(data.max_len, model.max_len)
     buckets = sorted({b for b in data.buckets if b < max_len} | {max_len})
-    if task.name == "classification":
-        classifier = Classifier(model)
-        pooled = {"mean": masked_mean, "last": last_token}.get(model.pooler.pooling,
-                                                               lambda h, v: h[:, 0].astype(jnp.float32))
-
-        def classify(p: Any, tokens: jax.Array, valid: jax.Array) -> dict[str, jax.Array]:
-            logits, state = classifier.apply(
-                {"params": p}, tokens, valid, mutable=["intermediates"],
-                capture_intermediates=lambda mdl, method: isinstance(mdl, Encoder) and method == "__call__")
-            hidden = state["intermediates"]["encoder"]["__call__"][0]  # [b, l, D]
-            return {"logits": logits, "probabilities": jax.nn.softmax(logits, axis=-1),
-                    "embeddings": pooled(hidden, valid)}
-
-        return Source("classifier", model, params, classify, run.tokenizer, max_len, buckets, run.label_names,
-                      f"{model.pooler.pooling} (the encoder's output as the head reads it, before any pooler)",
-                      record)
-    if task.name == "mlm":
-        encoder = Encoder(model)
-
-        def embed(p: Any, tokens: jax.Array, valid: jax.Array) -> dict[str, jax.Array]:
-            hidden: jax.Array = encoder.apply({"params": p["encoder"]}, tokens, valid)  # type: ignore[assignment]
-            return {"embeddings": masked_mean(hidden, valid)}
-
-        return Source("encoder", model, {"encoder": params["encoder"]}, embed, run.tokenizer, max_len, buckets,
-                      pooling="mean over real tokens", record=record)
-    raise ConfigError(f"the run in {workdir} is a task={task.name} run: export writes classifiers (logits, "
-                      "probabilities) and encoders (a masked-LM run's embeddings); use TrainedRun for this one")
+    kind, forward, kept, pooling = task.exported(model, params)
+    return Source(kind, model, kept, forward, run.tokenizer, max_len, buckets,
+                  run.label_names if kind == "classifier" else [], pooling, record)
 
 
 def from_model(spec: str) -> Source:

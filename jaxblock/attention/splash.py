@@ -39,6 +39,7 @@ from jaxblock import masks
 from jaxblock.attention.platform import mesh_layout, target_platform
 
 LANES = 128  # TPU lane width: splash's block sizes are multiples of it
+RESIDUALS = "splash_residuals"  # the kernel's output and log-sum-exp, saved for its backward
 _BLOCKS = (512, 256, 128)
 
 
@@ -124,6 +125,7 @@ def _runner(lp: int, r: int, causal: bool, window: int, interpret: bool) -> Call
         # Built where it is traced: the mask tables become constants of this shard's program.
         kernel = splash_kernel.make_splash_mqa_single_device(
             mask=splash_mask.MultiHeadMask([head_mask] * r), block_sizes=sizes, interpret=interpret,
+            residual_checkpoint_name=RESIDUALS,
         )
         n, _, h, kdim = q.shape
         g = k.shape[2]
@@ -131,6 +133,10 @@ def _runner(lp: int, r: int, causal: bool, window: int, interpret: bool) -> Call
         kg = k.transpose(0, 2, 1, 3)  # [n, G, Lp, K]
         vg = v.transpose(0, 2, 1, 3)
 
+        # Saved for the backward: the output and each query's log-sum-exp [R, Lp], as named arrays. Without
+        # the policy the program kept the kernel's lane-wide log-sum-exp [R, Lp, 128] float32 from the forward
+        # to the backward instead, 128 times the size, in every layer.
+        @functools.partial(jax.checkpoint, policy=jax.checkpoint_policies.save_only_these_names(RESIDUALS))
         def one(qh: jax.Array, kh: jax.Array, vh: jax.Array, qi: jax.Array, ki: jax.Array) -> jax.Array:
             return kernel(qh, kh, vh, segment_ids=splash_kernel.SegmentIds(q=qi, kv=ki))
 

@@ -82,7 +82,8 @@ class Result:
             "mesh": self.mesh, "layout": self.layout, "model": self.model, "config": self.config,
             "fits": self.fits, "ok": self.ok, "notes": self.notes,
             "per_device_bytes": {**{k: train.memory.get(k, 0) for k in ("arguments", "temporaries", "total")},
-                                 "usable": self.usable, **train.memory, **self.state},
+                                 "usable": self.usable, **train.memory,
+                                 **{k: self.state[k] for k in ("parameters", "gradients", "optimizer_state")}},
             "layers": [dataclasses.asdict(x) for x in train.layers],
             "collectives": train.collectives,
             "calls": [{k: v for k, v in dataclasses.asdict(c).items() if k != "executable"}

@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-import types
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -177,15 +176,6 @@ def _resolve_data_shapes(config: Config) -> tuple[Config, list[str]]:
         notes.append(f"vocabulary: {vocab} (data.bpe_vocab_size, the most a trained BPE vocabulary has)")
     else:
         raise ConfigError("data.tokenizer=pretrained needs model.init_from=hf:<dir> (its tokenizer.json): set it")
-    if task.name == "mlm":
-        raw = config.model_dump(mode="json")
-        raw["model"]["vocab_size"] = vocab + 1  # the mask id appended after the vocabulary (train/data/masking.py)
-        raw["data"]["buckets"] = [data.max_len]
-        resolved = config_from_dict(raw)
-        if data.max_len > resolved.model.max_len:
-            raise ConfigError(f"model.max_len={resolved.model.max_len} is shorter than the rows of data.max_len="
-                              f"{data.max_len} tokens: raise model.max_len or lower data.max_len")
-        return resolved, notes
     if data.labels:
         labels = list(data.labels)
     elif data.source == "synthetic":
@@ -195,8 +185,7 @@ def _resolve_data_shapes(config: Config) -> tuple[Config, list[str]]:
     else:
         labels = ["0", "1"]
         notes.append(f"classes: 2 assumed (data.labels is not set and data.path={data.path} is not read)")
-    stand_in = types.SimpleNamespace(tokenizer=types.SimpleNamespace(vocab_size=vocab), label_names=labels)
-    return task.resolve(config, stand_in), notes
+    return task.resolve_shapes(config, vocab, labels), notes
 
 
 # --- the abstract state and batches a step is compiled for ----------------------------------------------

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import flax.linen as nn
 import jax
@@ -109,6 +109,12 @@ class Task(Protocol):
         """What a prediction returns per row, e.g. probabilities [N, C]."""
         ...
 
+    def exported(self, config: EncoderConfig, params: Any) -> Exported:
+        """What `python -m train export` writes for a run of this task: its kind, the forward function on
+        (params, tokens, valid_tokens), the parameters it takes, and how it pools (ConfigError when the task
+        has no export)."""
+        ...
+
     # --- the data ---
 
     def check_config(self, config: Config) -> None:
@@ -125,6 +131,11 @@ class Task(Protocol):
         """The config with what the data decides (vocabulary size, classes, row lengths)."""
         ...
 
+    def resolve_shapes(self, config: Config, vocab_size: int, labels: list[str]) -> Config:
+        """`resolve` without the data, for compiling ahead of time: the tokenizer's vocabulary size and the
+        class names stand for what the data would say."""
+        ...
+
     def make_batches(self, data: TaskData, config: Config, share: tuple[int, int] = (0, 1),
                      *, training: bool = True) -> BatchSource:
         """The batch source over `data` for this process's `share` (index, count); `training` False
@@ -134,6 +145,15 @@ class Task(Protocol):
     def run_record(self, data: TaskData, batches: BatchSource) -> dict[str, Any]:
         """Entries for run.json beyond the label names, e.g. a baseline the main metric must beat."""
         ...
+
+
+class Exported(NamedTuple):
+    """A task's inference as an export holds it (train/export.py)."""
+
+    kind: str  # "classifier" (logits, probabilities, embeddings) or "encoder" (embeddings)
+    forward: Any  # (params, tokens int32[b, l], valid_tokens bool[b, l]) -> {output name: array}
+    params: Any  # the parameters forward takes
+    pooling: str  # how the embeddings pool, in words
 
 
 def metric_names(task: Task) -> tuple[str, ...]:

@@ -20,7 +20,7 @@ from train.config import STREAMED_SOURCES, Config, ConfigError, config_from_dict
 from train.data import labelled as data
 from train.data.batches import BatchSource, InMemoryBatches
 from train.data.tokenizer import Tokenizer
-from train.tasks.base import Batch, Sums, TaskData, ratio
+from train.tasks.base import Batch, Exported, Sums, TaskData, ratio
 
 
 class ClassificationTask:
@@ -45,6 +45,24 @@ class ClassificationTask:
 
     def target_shapes(self, rows: int, length: int, segments: int | None) -> dict[str, jax.ShapeDtypeStruct]:
         return {"labels": jax.ShapeDtypeStruct((rows,) if segments is None else (rows, segments), jnp.int32)}
+
+    def exported(self, config: EncoderConfig, params: Any) -> Exported:
+        """Logits, probabilities and the embeddings: the encoder's output pooled as the head reads it, before
+        any pooler dense."""
+        from jaxblock.model import Encoder, pool_tokens
+
+        classifier = Classifier(config)
+
+        def classify(p: Any, tokens: jax.Array, valid: jax.Array) -> dict[str, jax.Array]:
+            logits, state = classifier.apply(
+                {"params": p}, tokens, valid, mutable=["intermediates"],
+                capture_intermediates=lambda mdl, method: isinstance(mdl, Encoder) and method == "__call__")
+            hidden = state["intermediates"]["encoder"]["__call__"][0]  # [b, l, D]
+            return {"logits": logits, "probabilities": jax.nn.softmax(logits, axis=-1),
+                    "embeddings": pool_tokens(config.pooler.pooling, hidden, valid)}
+
+        return Exported("classifier", classify, params,
+                        f"{config.pooler.pooling} (the encoder's output as the head reads it, before any pooler)")
 
     def check_batch(self, batch: Batch) -> None:
         packed = "segment_ids" in batch
@@ -95,6 +113,9 @@ class ClassificationTask:
         """The config with what the data decides: vocabulary size (tokenizer) and number of classes."""
         return resolve_labelled(config, dataset, num_classes=len(dataset.label_names))
 
+    def resolve_shapes(self, config: Config, vocab_size: int, labels: list[str]) -> Config:
+        return self.resolve(config, _StandIn(vocab_size, labels))
+
     def make_batches(self, dataset: TaskData, config: Config, share: tuple[int, int] = (0, 1),
                      *, training: bool = True) -> BatchSource:
         assert isinstance(dataset, data.Dataset)
@@ -102,6 +123,18 @@ class ClassificationTask:
 
     def run_record(self, dataset: TaskData, batches: BatchSource) -> dict[str, Any]:
         return {}
+
+
+class _StandIn:
+    """What `resolve_labelled` reads of a data set, given without one (ahead-of-time compiles)."""
+
+    def __init__(self, vocab_size: int, labels: list[str]):
+        self.tokenizer: Any = type("Vocabulary", (), {"vocab_size": vocab_size})()
+        self.label_names = labels
+        self.truncated: dict[str, int] = {}
+
+    def summary(self) -> str:
+        return f"vocabulary {self.tokenizer.vocab_size}, classes {self.label_names} (no data read)"
 
 
 def resolve_labelled(config: Config, dataset: TaskData, num_classes: int) -> Config:

@@ -20,7 +20,7 @@ from train.config import STREAMED_SOURCES, Config, ConfigError, config_from_dict
 from train.data.batches import BatchSource, StreamBatches
 from train.data.pretrain import CorpusData, load_corpus
 from train.data.tokenizer import Tokenizer
-from train.tasks.base import Batch, Sums, TaskData, ratio
+from train.tasks.base import Batch, Exported, Sums, TaskData, ratio
 
 
 class MaskedLMTask:
@@ -68,6 +68,18 @@ class MaskedLMTask:
     def target_shapes(self, rows: int, length: int, segments: int | None) -> dict[str, jax.ShapeDtypeStruct]:
         return {"mlm_targets": jax.ShapeDtypeStruct((rows, length), jnp.int32),
                 "mlm_weights": jax.ShapeDtypeStruct((rows, length), jnp.float32)}
+
+    def exported(self, config: EncoderConfig, params: Any) -> Exported:
+        """The encoder's embeddings: its output averaged over real tokens."""
+        from jaxblock.model import Encoder, masked_mean
+
+        encoder = Encoder(config)
+
+        def embed(p: Any, tokens: jax.Array, valid: jax.Array) -> dict[str, jax.Array]:
+            hidden: jax.Array = encoder.apply({"params": p["encoder"]}, tokens, valid)  # type: ignore[assignment]
+            return {"embeddings": masked_mean(hidden, valid)}
+
+        return Exported("encoder", embed, {"encoder": params["encoder"]}, "mean over real tokens")
 
     def check_batch(self, batch: Batch) -> None:
         keys = [batch["tokens"], batch["valid_tokens"], batch["mlm_targets"], batch["mlm_weights"]]
@@ -138,8 +150,16 @@ class MaskedLMTask:
         """The config with what the corpus decides: the embedding rows the masking needs (the tokenizer's
         vocabulary, plus a mask row when the tokenizer has no spare id) and rows of data.max_len."""
         assert isinstance(corpus, CorpusData)
+        return self._rows(config, corpus.masking.model_vocab_size)
+
+    def resolve_shapes(self, config: Config, vocab_size: int, labels: list[str]) -> Config:
+        """The masking's embedding rows without the corpus: the vocabulary plus the mask id appended after it
+        (train/data/masking.py; a pretrained tokenizer's own mask token is within its vocabulary)."""
+        return self._rows(config, vocab_size if config.model.init_from else vocab_size + 1)
+
+    def _rows(self, config: Config, model_vocab_size: int) -> Config:
         raw = config.model_dump(mode="json")
-        raw["model"].update(vocab_size=corpus.masking.model_vocab_size)
+        raw["model"].update(vocab_size=model_vocab_size)
         raw["data"].update(buckets=[config.data.max_len])
         resolved = config_from_dict(raw)
         if resolved.data.max_len > resolved.model.max_len:

@@ -33,8 +33,8 @@ from train.data.batches import BatchSource, InMemoryBatches
 from train.data.datasets import VADER_FILES, Examples, synthetic_examples, vader_file
 from train.data.tokenizer import Tokenizer
 from train.errors import DataError
-from train.tasks.base import Batch, Sums, TaskData
-from train.tasks.classification import resolve_labelled
+from train.tasks.base import Batch, Exported, Sums, TaskData
+from train.tasks.classification import _StandIn, resolve_labelled
 
 
 def vader_ratings(path: Path) -> tuple[list[str], np.ndarray]:
@@ -169,6 +169,10 @@ class RegressionTask:
         sums = self.sums(outputs, batch)
         return sums["loss_sum"] / jnp.maximum(sums["count"], 1)
 
+    def exported(self, config: EncoderConfig, params: Any) -> Exported:
+        raise ConfigError("a task=regression run has no export yet (it writes classifiers and encoders): use "
+                          "TrainedRun (train/inference.py) for its scores")
+
     def predict(self, outputs: jax.Array) -> dict[str, jax.Array]:
         return {"scores": outputs}  # [N]
 
@@ -198,6 +202,9 @@ class RegressionTask:
 
     def resolve(self, config: Config, scored: TaskData) -> Config:
         return resolve_labelled(config, scored, num_classes=1)
+
+    def resolve_shapes(self, config: Config, vocab_size: int, labels: list[str]) -> Config:
+        return resolve_labelled(config, _StandIn(vocab_size, labels), num_classes=1)
 
     def make_batches(self, scored: TaskData, config: Config, share: tuple[int, int] = (0, 1),
                      *, training: bool = True) -> BatchSource:
