@@ -116,7 +116,7 @@ def _quiet_libraries() -> None:
 def cmd_train(argv: list[str], interrupts: Any = None) -> int:
     args = _train_parser().parse_intermixed_args(argv)  # overrides before or after the flags
     from train import run
-    from train.devices.runners import is_primary
+    from train.devices.hosts import is_primary
 
     workdir = Path(args.workdir)
     summary = run.train(run.config_for_workdir(args.config, args.overrides, workdir), workdir, interrupts=interrupts)

@@ -34,7 +34,8 @@ from train.checkpoints.store import (
 )
 from train.config import STREAMED_SOURCES, Config, ConfigError, apply_overrides, config_from_dict, load_config
 from train.data.batches import BatchSource
-from train.devices.runners import initialize_distributed, is_primary, make_runner
+from train.devices.hosts import initialize_distributed, is_primary
+from train.devices.runners import make_runner
 from train.errors import WorkdirError
 from train.interrupts import Interrupts
 from train.loop.plan import Plan

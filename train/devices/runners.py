@@ -34,7 +34,8 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
-from train.config import Config, ConfigError, ParallelConfig
+from train.config import Config, ConfigError
+from train.devices.hosts import host_value, is_primary
 from train.devices.mesh import logical_rules, make_mesh, mesh_shape, param_shardings, state_shardings
 from train.devices.steps import kernel_context, mesh_steps
 from train.loop.state import TrainState
@@ -45,35 +46,6 @@ log = logging.getLogger(__name__)
 
 PMAP_AXIS = "batch"
 Batch = dict[str, np.ndarray]
-
-
-# --- processes --------------------------------------------------------------------------------------
-
-
-def initialize_distributed(cfg: ParallelConfig) -> None:
-    """Join the multi-host run (no-op for one process). Must run before any JAX device is touched."""
-    if not (cfg.distributed or cfg.coordinator) or jax.distributed.is_initialized():
-        return
-    try:
-        jax.distributed.initialize(cfg.coordinator, cfg.num_processes, cfg.process_id)
-    except (RuntimeError, ValueError) as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise ConfigError(
-            f"jax.distributed could not start ({first}): set parallel.coordinator=HOST:PORT "
-            "parallel.num_processes=N parallel.process_id=I, or run under a detected cluster (SLURM, TPU VM)"
-        ) from None
-
-
-def is_primary() -> bool:
-    """True on the one process that logs and writes metrics (process 0)."""
-    return jax.process_index() == 0
-
-
-def host_value(x: Any) -> Any:
-    """A leaf this process can read: global replicated arrays give their local copy."""
-    if isinstance(x, jax.Array) and not x.is_fully_addressable:
-        return x.addressable_data(0)
-    return x
 
 
 # --- runners -----------------------------------------------------------------------------------------

@@ -31,7 +31,7 @@ import jax
 from jaxblock.diagnostics import grad_norms_by_depth, residual_ratios
 from train.checkpoints.repair import restore_newest_good, saves_report_full_disk
 from train.checkpoints.store import Checkpoints, check_compatible
-from train.devices.runners import is_primary
+from train.devices.hosts import is_primary
 from train.errors import HaltError
 from train.evaluation import evaluate, host_number
 from train.interrupts import Interrupts

@@ -18,13 +18,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxblock import Classifier
 from train.config import Config, ConfigError, config_from_dict
-from train.devices.runners import (
-    ShardedRunner,
-    initialize_distributed,
-    is_primary,
-    make_runner,
-    mesh_shape,
-)
+from train.devices.hosts import initialize_distributed, is_primary
+from train.devices.runners import ShardedRunner, make_runner, mesh_shape
 from train.loop.state import TrainState, abstract_init, create_state, init_params
 
 STEPS = 5
