@@ -185,9 +185,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", default=str(ROOT / "configs" / "bert_base_mlm_l512.yaml"), help="our BERT-base config")
     p.add_argument("--per-chip", type=int, default=32, help="sequences per chip (default 32)")
     p.add_argument("--length", type=int, default=512, help="sequence length (default 512)")
-    p.add_argument("--fit", action="store_true", help="also the largest per-chip batch that fits (slow: one compile a probe)")
+    p.add_argument(
+        "--fit", action="store_true", help="also the largest per-chip batch that fits (slow: one compile a probe)",
+    )
     p.add_argument("--peer-dir", type=Path, default=PEER_DIR, help=f"where transformers 4.46.3 is (default {PEER_DIR})")
-    p.add_argument("--record", action="store_true", help="write the table to bench/records/compile-peer-<target>-<date>.md")
+    p.add_argument(
+        "--record", action="store_true", help="write the table to bench/records/compile-peer-<target>-<date>.md"
+    )
     try:
         args = p.parse_args(argv)
     except SystemExit as exit_:
