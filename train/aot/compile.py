@@ -26,7 +26,7 @@ import json
 import sys
 
 from train.aot import fit, render, shapes, targets
-from train.aot.compiled import compile_run, name_buffers, prepare
+from train.aot.compiled import compile_run, prepare
 from train.cli import Parser, program
 from train.errors import FAILED_EXIT, OK_EXIT
 
@@ -64,7 +64,6 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(table.to_json(), indent=1) if args.json else fit.render(table))
         return OK_EXIT if table.any_fits else FAILED_EXIT
     result = compile_run(resolved, devices, target, args.config, keep=args.save is not None)
-    name_buffers(result, resolved, devices)
     if args.save:
         render.save(result, args.save, args.config, args.overrides)
     print(json.dumps(result.to_json(), indent=1) if args.json else render.text(result))

@@ -10,7 +10,6 @@ call's memory per chip (the compiler's analysis), kernels per layer, collectives
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from typing import Any
 
@@ -33,8 +32,7 @@ class Compiled:
     layers: list[LayerResult]
     collectives: dict[str, int]
     flops: float | None
-    largest: list[str]  # the largest buffers of the program, described
-    largest_at: int | None = None  # refused for want of memory: the per-chip batch whose program named them
+    largest: list[str]  # the largest buffers of the compiler's memory report, described
     executable: Any = dataclasses.field(default=None, repr=False)
 
     def fits(self, usable: int, platform: str) -> bool:
@@ -122,22 +120,25 @@ def compile_run(resolved: shapes.Resolved, devices: list[Any], target: targets.T
         start = time.perf_counter()
         with programs.name_stacks():
             lowered = (steps.train if call == "train" else steps.eval).trace(*args).lower()
-        try:
-            executable = lowered.compile()
-        except Exception as err:  # the compiler's refusal is the answer, in one line
-            seconds = time.perf_counter() - start
-            oom = targets.parse_oom(str(err))
-            with kernel_context(mesh, rules, strategy, target.platform):
-                layers = check_layers(config, call, batch["tokens"].shape[1], "segment_ids" in batch, None)
-            memory = {"total": int(oom[0])} if oom else {}  # refused for want of memory: the compiler's figure
-            results.append(Compiled(call, text, False, one_line_error(err), seconds, memory, layers, {}, None, []))
-            continue
+        with programs.memory_report() as report:
+            try:
+                executable = lowered.compile(compiler_options=report.options)
+            except Exception as err:  # the compiler's refusal is the answer, in one line
+                seconds = time.perf_counter() - start
+                oom = targets.parse_oom(str(err))
+                with kernel_context(mesh, rules, strategy, target.platform):
+                    layers = check_layers(config, call, batch["tokens"].shape[1], "segment_ids" in batch, None)
+                memory = {"total": int(oom[0])} if oom else {}  # refused for want of memory: the compiler's figure
+                results.append(Compiled(call, text, False, one_line_error(err), seconds, memory, layers, {}, None,
+                                        report.largest()))
+                continue
+            largest = report.largest()
         seconds = time.perf_counter() - start
         hlo = executable.as_text() or ""
         with kernel_context(mesh, rules, strategy, target.platform):
             layers = check_layers(config, call, batch["tokens"].shape[1], "segment_ids" in batch, hlo)
         results.append(Compiled(call, text, True, None, seconds, _memory(executable), layers,
-                                programs.collectives(hlo), _flops(executable), programs.largest_buffers(hlo),
+                                programs.collectives(hlo), _flops(executable), largest,
                                 executable=executable if keep else None))
     usable = targets.usable_bytes(target, devices[0])
     return Result(config_path, target, devices[0].device_kind, resolved.mesh_text(), resolved.layout,
@@ -187,32 +188,9 @@ def verdict(result: Result) -> str:
         return f"result: FAILED: the compiler refused the {failed[0].call} step: {failed[0].error}"
     worst = max((c for c in result.calls if not c.fits(result.usable, result.target.platform)),
                 key=lambda c: c.memory["total"])
-    at = f" (at {worst.largest_at} per chip, which compiles)" if worst.largest_at else ""
-    largest = f"; largest buffers{at}: {', '.join(worst.largest)}" if worst.largest else ""
+    largest = f"; largest buffers: {', '.join(worst.largest)}" if worst.largest else ""
     return (f"result: DOES NOT FIT: the {worst.call} step needs {size(worst.memory['total'])} per chip, a {chip} has "
             f"{size(result.usable)} usable{largest}; to fit: {levers(result)}")
-
-
-def name_buffers(result: Result, resolved: shapes.Resolved, devices: list[Any]) -> None:
-    """For a train step the compiler refused for want of memory, which reports no buffers: compile it at a half
-    or a quarter of its per-chip batch, the first that compiles, and name that program's largest buffers (none
-    when even that is refused)."""
-    refused = [c for c in result.calls if c.out_of_memory and c.call == "train"]  # the one training needs
-    if result.state["parameters"] + result.state["optimizer_state"] >= result.usable:
-        return  # the state alone is over the chip's memory: no batch compiles
-    data_parallel = math.prod(n for axis, n in resolved.mesh.items() if axis in ("data", "fsdp"))
-    per_chip = resolved.config.train.batch_size // data_parallel
-    for call in refused:
-        smaller = per_chip // 2
-        while smaller >= max(1, per_chip // 4):
-            config = resolved.config
-            train = config.train.model_copy(update={"batch_size": smaller * data_parallel})
-            probe = compile_run(dataclasses.replace(resolved, config=config.model_copy(update={"train": train})),
-                                devices, result.target, calls=(call.call,))
-            if probe.calls[0].compiled:
-                call.largest, call.largest_at = probe.calls[0].largest, smaller
-                break
-            smaller //= 2
 
 
 def levers(result: Result) -> str:

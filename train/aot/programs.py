@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import math
 import re
+import shutil
+import tempfile
 from collections.abc import Iterator
+from pathlib import Path
 
 import jax
 
@@ -240,49 +242,47 @@ def holds(kernel: str, calls: list[Call]) -> bool:
     return any(call.target.startswith(targets) for call in calls)
 
 
-_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4,
-                "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "f8e4m3fn": 1, "f8e5m2": 1}
-_ARRAY = re.compile(r"^(?P<dtype>[a-z0-9]+)\[(?P<dims>[\d,]*)\]")
-_NOT_BUFFERS = {"parameter", "tuple", "get-tuple-element", "bitcast", "constant", "copy-done", "all-gather-done",
-                "all-reduce-done", "collective-permute-done", "async-done", "send-done", "recv-done"}
+class MemoryReport:
+    """The compiler's memory usage report of one compile (XLA's buffer assignment, which the compile itself
+    dumps into a directory of its own): its largest allocations and the arrays that share each. The report
+    is written when the compiler refuses a program for want of memory too, which is when it is wanted most."""
+
+    def __init__(self, directory: str):
+        self.directory = directory
+        # One compile's debug options: the dump holds the optimized module and its buffer assignment, no pass.
+        self.options = {"xla_dump_to": directory, "xla_dump_hlo_pass_re": "^$"}
+
+    def largest(self, count: int = 3) -> list[str]:
+        """'477.0 MiB: f32[32,125,30523], bf16[32,512,3,12,64]' for the `count` largest allocations."""
+        reports = sorted(Path(self.directory).glob("*memory-usage-report.txt"))
+        if not reports:
+            return []
+        out = []
+        for line in reports[-1].read_text().splitlines():
+            m = _REPORT_ROW.match(line)
+            if m is None:
+                continue
+            shapes = [s.strip() for s in m["shapes"].split(", ")]
+            shown = ", ".join(shapes[:3]) + (", ..." if len(shapes) > 3 else "")
+            out.append(f"{m['size']}: {shown}")
+            if len(out) == count:
+                break
+        return out
 
 
-def largest_buffers(hlo: str, count: int = 3) -> list[str]:
-    """The `count` largest arrays a compiled program allocates, e.g. '1.50 GiB bf16[32,512,3072] (layers_3/ffn,
-    backward)': the outputs of its instructions outside fusions (a fusion's inner values are not buffers),
-    parameters and views excepted."""
-    sized = []
-    for ins in parse(hlo):
-        if ins.op in _NOT_BUFFERS or "fused" in ins.computation or "fusion" in ins.computation:
-            continue
-        shape = _ARRAY.match(ins.text.split(" = ", 1)[1].strip())
-        if shape is None or shape["dtype"] not in _DTYPE_BYTES:
-            continue
-        nbytes = _DTYPE_BYTES[shape["dtype"]] * math.prod(int(d) for d in shape["dims"].split(",") if d)
-        sized.append((nbytes, f"{shape['dtype']}[{shape['dims']}]", ins.op_name))
-    sized.sort(key=lambda x: -x[0])
-    out = []
-    for nbytes, shape_text, op_name in sized[:count]:
-        where = _where(op_name)
-        out.append(f"{_size(nbytes)} {shape_text}{f' ({where})' if where else ''}")
-    return out
+_REPORT_ROW = re.compile(
+    r"^\s*[\d.]+[KMGT]?i?B\(\s*\d+%\);\s*"  # running total and its share
+    r"(?P<size>[\d.]+[KMGT]?i?B);\s*\d+;\s*\d+;\s*"  # this allocation, then two counts
+    r"(?P<shapes>.+)$"
+)
 
 
-def _size(nbytes: float) -> str:
-    for unit in ("B", "KiB", "MiB"):
-        if nbytes < 1024:
-            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
-        nbytes /= 1024
-    return f"{nbytes:.2f} GiB"
-
-
-def _where(op_name: str) -> str:
-    """'layers_3/ffn, backward' from a name stack: the layer and the module in it, and the pass."""
-    parts = list(dict.fromkeys(p for p in op_name.split("/") if p))  # Flax repeats a scope: layers_0/layers_0
-    layer = next((i for i, p in enumerate(parts) if _LAYER.search(f"/{p}/")), None)
-    if layer is not None:
-        place = "/".join(parts[layer:layer + 2] if layer + 1 < len(parts) and "(" not in parts[layer + 1]
-                         else parts[layer:layer + 1])
-    else:
-        place = "/".join(p for p in parts[:4] if "(" not in p)[:40]
-    return ", ".join(filter(None, [place, "backward" if "transpose(" in op_name else ""]))
+@contextlib.contextmanager
+def memory_report() -> Iterator[MemoryReport]:
+    """A MemoryReport whose `options` a compile takes (`lowered.compile(compiler_options=...)`); the dump is
+    removed afterwards."""
+    directory = tempfile.mkdtemp(prefix="jaxblock-compile-")
+    try:
+        yield MemoryReport(directory)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
