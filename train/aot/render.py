@@ -30,8 +30,7 @@ def text(result: Any) -> str:
         if not call.compiled:
             lines.append(f"{title}: {call.shapes}; NOT compiled ({call.seconds:.1f}s): {call.error}")
             if call.largest:
-                at = f"at {call.largest_at} per chip, which compiles"
-                lines.append(f"  largest buffers {at}: {'; '.join(call.largest)}")
+                lines.append(f"  largest buffers (the compiler's memory report): {'; '.join(call.largest)}")
             continue
         flops = f", {_flops(call.flops)} per chip" if call.flops else ""
         lines.append(f"{title}: {call.shapes}; compiled in {call.seconds:.1f}s{flops}")
@@ -44,7 +43,7 @@ def text(result: Any) -> str:
                   f"  peak {size(m['total'])} of {size(result.usable)} usable: "
                   f"{'fits' if fits else 'DOES NOT FIT'}{over}"]
         if call.largest:
-            lines.append(f"  largest buffers: {'; '.join(call.largest)}")
+            lines.append(f"  largest buffers (the compiler's memory report): {'; '.join(call.largest)}")
         lines += layer_lines(call.layers, _status)
         lines.append(f"  collectives: {counts_text(call.collectives)}")
     s = result.state
@@ -69,8 +68,13 @@ def _status(layer: LayerResult) -> str:
 
 def save(result: Any, path: str, config_path: str, overrides: list[str]) -> None:
     """The compiled train step and what loading it needs: the same jax, jaxlib and compiler, and the chips.
-    Loading: `serialize_executable.deserialize_and_load(saved['executable'], saved['in_tree'],
-    saved['out_tree'])` on a host of that slice (train/aot/compile.py `load`)."""
+
+    The step's own argument structure holds the optimizer (a static field of the train state), which does not
+    pickle, so the file keeps the flat calling convention: `serialize_executable.deserialize_and_load(
+    saved['executable'], saved['in_tree'], saved['out_tree'])` on a host of that slice gives a function of
+    `*jax.tree.leaves(args)` (the train state, batch and key, as `python -m train` builds them) that returns
+    the flat outputs: `jax.tree.unflatten` them with the structure of (state, metrics)."""
+    import jax
     from jax.experimental import serialize_executable
 
     train = next((c for c in result.calls if c.call == "train"), None)
@@ -81,12 +85,16 @@ def save(result: Any, path: str, config_path: str, overrides: list[str]) -> None
     except Exception as err:  # an executable holding objects that do not pickle (cuDNN's partitioning rule)
         raise ConfigError(f"--save: the compiled train step cannot be serialized ({type(err).__name__}: "
                           f"{str(err).splitlines()[0][:120]}): compile it on the chip instead") from None
+    in_tree = jax.tree.structure(((0,) * in_tree.num_leaves, {}))
+    out_tree = jax.tree.structure([0] * out_tree.num_leaves)
     versions = {name: _version(name) for name in ("jax", "jaxlib", "libtpu", "jax-cuda12-plugin", "flax")}
     header = {"format": SAVED_FORMAT, "target": result.target.name, "chip": result.chip, "chips": result.target.chips,
               "hosts": result.target.hosts, "mesh": result.mesh, "config": config_path, "overrides": overrides,
               "versions": {k: v for k, v in versions.items() if v}, "python": platform.python_version(),
+              "arguments": in_tree.num_leaves, "outputs": out_tree.num_leaves,
               "load": "jax.experimental.serialize_executable.deserialize_and_load(executable, in_tree, out_tree) "
-                      "on a host of this target, with these versions"}
+                      "on a host of this target, with these versions; call it with the flat leaves of "
+                      "(state, batch, key) and unflatten its outputs as (state, metrics)"}
     try:
         with open(path, "wb") as f:
             pickle.dump({"header": header, "executable": payload, "in_tree": in_tree, "out_tree": out_tree}, f)
