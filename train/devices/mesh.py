@@ -37,9 +37,27 @@ def mesh_shape(cfg: ParallelConfig, device_count: int) -> tuple[int, ...]:
 
 
 def make_mesh(cfg: ParallelConfig, devices: list[Any] | None = None) -> Mesh:
+    """The mesh of `devices`. Over several TPU slices (devices with distinct `slice_index`), the slices split
+    the first of data, fsdp that they divide: those axes' collectives are once a step, fit for the data-center
+    network between slices; context and tensor stay within a slice."""
     devices = devices or jax.devices()
     shape = mesh_shape(cfg, len(devices))
-    return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices)
+    axis_types = (AxisType.Auto,) * len(MESH_AXES)
+    slices = len({getattr(d, "slice_index", 0) for d in devices})
+    if slices == 1:
+        return jax.make_mesh(shape, MESH_AXES, axis_types=axis_types, devices=devices)
+    from jax.experimental import mesh_utils
+
+    axis = next((i for i in range(2) if shape[i] % slices == 0), None)
+    if axis is None:
+        raise ConfigError(
+            f"parallel.mesh {dict(zip(MESH_AXES, shape, strict=True))} over {slices} slices: the slices split "
+            f"the data or fsdp axis, and neither is a multiple of {slices}: make one of them a multiple of it"
+        )
+    dcn = tuple(slices if i == axis else 1 for i in range(len(shape)))
+    per_slice = tuple(s // d for s, d in zip(shape, dcn, strict=True))
+    grid = mesh_utils.create_hybrid_device_mesh(per_slice, dcn, devices)
+    return Mesh(grid, MESH_AXES, axis_types=axis_types)
 
 
 def logical_rules(cfg: ParallelConfig) -> tuple[tuple[str, Any], ...]:
