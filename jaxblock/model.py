@@ -37,11 +37,13 @@ class _Layer(EncoderBlock):
 
     train: bool = False
     scanned: bool = False
+    settings: tuple[tuple[str, Any], ...] = ()  # an unrolled layer's row, as Python values known while tracing
 
     def __call__(  # type: ignore[override]
         self, x: jax.Array, valid_tokens: jax.Array, attn_mask: Any, segment_ids: Any, positions: Any,
         per_layer: Any,
     ) -> Any:
+        per_layer = dict(self.settings) or per_layer
         y = super().__call__(
             x, valid_tokens, attn_mask=attn_mask, segment_ids=segment_ids, positions=positions,
             per_layer=per_layer, train=self.train,
@@ -72,7 +74,8 @@ class EncoderStack(nn.Module):
         if cfg.remat != "none":
             layer = nn.remat(layer, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=not cfg.scan_layers)
         args = (valid_tokens, attn_mask, segment_ids, positions)
-        # Per-layer settings: arrays with a leading [B] axis, scanned over (unrolled: layer i gets row i).
+        # Per-layer settings: scanned, arrays with a leading [B] axis; unrolled, layer i gets row i as constants
+        # (so that a global layer among windowed ones is known to be global, and gets a kernel without windows).
         per_layer = {k: jnp.asarray(v) for k, v in cfg.layers.per_layer.items()} or None
         if cfg.scan_layers:
             scanned = nn.scan(
@@ -87,8 +90,9 @@ class EncoderStack(nn.Module):
             x, _ = block(x, *args, per_layer)
         else:
             for i in range(cfg.num_layers):
-                row = None if per_layer is None else {k: v[i] for k, v in per_layer.items()}
-                x = layer(cfg.block, cfg.layers.window_choices, train=train, name=f"layers_{i}")(x, *args, row)
+                row = tuple((k, v[i]) for k, v in cfg.layers.per_layer.items())
+                x = layer(cfg.block, cfg.layers.window_choices, train=train, settings=row, name=f"layers_{i}")(
+                    x, *args, None)
         if cfg.has_final_norm:
             x = make_norm(cfg.block, "final_norm")(x)
         return x
