@@ -175,6 +175,9 @@ def test_run_json_records_each_layers_kernel_for_the_train_and_eval_calls(refere
 # --- the grid ---------------------------------------------------------------------------------------------
 
 
+ACCELERATOR_CONFIGS = {"bert_base_mlm_l128", "bert_base_mlm_l512", "modernbert_long", "sentiment_pretrained_accel"}
+
+
 def _configs() -> list[Path]:
     return sorted((ROOT / "configs").glob("*.yaml"))
 
@@ -185,8 +188,8 @@ def _configs() -> list[Path]:
 def test_every_config_lowers_on_every_layout(config, platform):
     """Every config x layout (single, DP, FSDP, TP and their mixes, context where the mesh has it) lowers,
     and every layer's promised kernel is in the module. On TPU every layer runs splash, in training too
-    unless attention-weight dropout is on (then the unfused path: no fused kernel has dropout; the *_tpu
-    configs turn it off) or the layout splits the sequence (the context-parallel kernel)."""
+    unless attention-weight dropout is on (then the unfused path: no fused kernel has dropout; the
+    accelerator configs turn it off) or the layout splits the sequence (the context-parallel kernel)."""
     from train.aot.lower import lower, resolve
     from train.aot.shapes import LAYOUTS
 
@@ -205,6 +208,6 @@ def test_every_config_lowers_on_every_layout(config, platform):
             allowed |= {"unfused"} if call.call == "train" and dropout else set()
             problems += [f"{layout} {call.call} layer {x.layer}: {x.kernel}" for x in call.layers
                          if x.kernel not in allowed]
-        if config.stem.endswith("_tpu"):
+        if config.stem in ACCELERATOR_CONFIGS:
             assert not dropout, "a TPU config keeps the fused kernel: model.block.attention.dropout=0"
     assert not problems, problems
