@@ -12,7 +12,8 @@ logits at every position over the full vocabulary, in float32, softmax cross-ent
 mask, AdamW; parameters and optimizer state float32 and replicated, compute bfloat16, the batch split over
 every chip, XLA's attention, dropout 0.1; remat is its `gradient_checkpointing`.
 
-Ours is `--config` (default configs/bert_base_mlm_l512.yaml) in its own layout and data parallel: the
+Ours is `--config` (default configs/bert_base_mlm_l512.yaml) in its own layout and in the other of data
+parallel and FSDP: the
 same shapes (BERT-base, vocabulary 30522, L 512), bfloat16 compute, float32 parameters, splash attention on a
 TPU and cuDNN on a GPU, logits only at the chosen positions; remat is model.remat=full (and dots). Both steps
 are compiled for the same target (train/aot/targets.py) and reported per chip: arguments, temporaries, the
@@ -188,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--fit", action="store_true", help="also the largest per-chip batch that fits (slow: one compile a probe)",
     )
+    p.add_argument("--own-layout-only", action="store_true",
+                   help="ours in the config's layout only (default: also in the other of data parallel and FSDP)")
     p.add_argument("--peer-dir", type=Path, default=PEER_DIR, help=f"where transformers 4.46.3 is (default {PEER_DIR})")
     p.add_argument(
         "--record", action="store_true", help="write the table to bench/records/compile-peer-<target>-<date>.md"
@@ -211,13 +214,19 @@ def main(argv: list[str] | None = None) -> int:
         print(err, file=sys.stderr)
         return 2
     overrides = [f"model.max_len={args.length}", f"data.max_len={args.length}", f"data.buckets=[{args.length}]"]
+    from train.aot import shapes
+
+    own = shapes.resolve(args.config, overrides, len(devices), None, fixed_devices=True).mesh
+    # ours in the config's own layout, and in the other of data parallel and FSDP
+    layouts = (None, "dp" if own.get("fsdp", 1) > 1 or own.get("tensor", 1) > 1 else "fsdp")
+    layouts = layouts[:1] if args.own_layout_only else layouts
     rows = []
     for remat, ours_remat in ((False, ("none",)), (True, ("full", "dots"))):
         rows.append(peer_row(transformers, devices, target, args.per_chip, args.length, remat))
         if args.fit:
             rows[-1].largest = largest(lambda n, r=remat: peer_row(transformers, devices, target, n, args.length,
                                                                     r).fits, args.per_chip)
-        for layout in (None, "dp"):
+        for layout in layouts:
             for policy in ours_remat:
                 row = ours_row(args.config, overrides, devices, target, layout, args.per_chip, policy)
                 if args.fit:

@@ -93,7 +93,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     a file's first compiles happen on one worker only; one group for the tests that read the shared
     reference run, so it is built once; and one for the files that name a group of their own
     (`XDIST_GROUP`): the files that build transformers models share a worker, so only that worker
-    imports transformers and its families' model code (~5.5 s of CPU on a 2-core Intel Xeon). xdist hands
+    imports transformers and its families' model code (seconds of CPU). xdist hands
     out the groups with the most tests first (its default `--loadscope-reorder`), whatever the order here."""
     for item in items:
         if "reference_run" in getattr(item, "fixturenames", ()):
@@ -105,7 +105,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 # Tracing makes objects by the million, so the collector's automatic passes ran ~9,000 times per worker
 # (gen0 every 700 allocations, a full pass every ~10 younger ones since the freeze below empties the old
-# generation): 6-7 s of each worker's ~125 s on a 2-core AMD EPYC. Larger thresholds cut that to ~2-3 s;
+# generation), about 5% of a worker's time. Larger thresholds cut that by more than half;
 # the garbage waits a little longer to be found, which a test worker with gigabytes to spare can afford.
 gc.set_threshold(10_000, 20, 50)
 
