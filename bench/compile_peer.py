@@ -35,7 +35,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 PEER_DIR = ROOT / ".peer" / "transformers-4.46.3"
 PEER_INSTALL = ('pip install --target {dir} --no-deps transformers==4.46.3 "tokenizers<0.21" regex '
-                '"huggingface_hub<1.0" safetensors packaging filelock requests pyyaml tqdm')
+                '"huggingface_hub<1.0" safetensors packaging filelock requests urllib3 idna charset-normalizer '
+                'certifi pyyaml tqdm')
 BERT_BASE = dict(vocab_size=30522, hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
                  intermediate_size=3072, max_position_embeddings=512)
 GiB = 2**30
