@@ -7,7 +7,7 @@ import pickle
 import platform
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from train.aot import programs
 from train.aot.report import LayerResult, counts_text, found_text, layer_lines, size
@@ -85,13 +85,13 @@ def save(result: Any, path: str, config_path: str, overrides: list[str]) -> None
     except Exception as err:  # an executable holding objects that do not pickle (cuDNN's partitioning rule)
         raise ConfigError(f"--save: the compiled train step cannot be serialized ({type(err).__name__}: "
                           f"{str(err).splitlines()[0][:120]}): compile it on the chip instead") from None
-    in_tree = jax.tree.structure(((0,) * in_tree.num_leaves, {}))
-    out_tree = jax.tree.structure([0] * out_tree.num_leaves)
+    n_in, n_out = cast(Any, in_tree).num_leaves, cast(Any, out_tree).num_leaves
+    in_tree, out_tree = jax.tree.structure(((0,) * n_in, {})), jax.tree.structure([0] * n_out)
     versions = {name: _version(name) for name in ("jax", "jaxlib", "libtpu", "jax-cuda12-plugin", "flax")}
     header = {"format": SAVED_FORMAT, "target": result.target.name, "chip": result.chip, "chips": result.target.chips,
               "hosts": result.target.hosts, "mesh": result.mesh, "config": config_path, "overrides": overrides,
               "versions": {k: v for k, v in versions.items() if v}, "python": platform.python_version(),
-              "arguments": in_tree.num_leaves, "outputs": out_tree.num_leaves,
+              "arguments": n_in, "outputs": n_out,
               "load": "jax.experimental.serialize_executable.deserialize_and_load(executable, in_tree, out_tree) "
                       "on a host of this target, with these versions; call it with the flat leaves of "
                       "(state, batch, key) and unflatten its outputs as (state, metrics)"}
