@@ -20,6 +20,7 @@ import jax.numpy as jnp
 
 from jaxblock import masks
 from jaxblock.attention import SelfAttention
+from jaxblock.attention.threefry import Dropout
 from jaxblock.config import BlockConfig
 from jaxblock.ffn import FeedForward
 from jaxblock.norms import make_norm
@@ -47,8 +48,8 @@ class EncoderBlock(nn.Module):
         self.ffn_norm = make_norm(cfg)
         if cfg.ablate != "ffn":
             self.ffn = FeedForward(cfg)
-        self.attn_residual_dropout = nn.Dropout(cfg.residual_dropout)
-        self.ffn_residual_dropout = nn.Dropout(cfg.residual_dropout)
+        self.attn_residual_dropout = Dropout(cfg.residual_dropout)
+        self.ffn_residual_dropout = Dropout(cfg.residual_dropout)
 
     def __call__(
         self,

@@ -16,6 +16,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from jaxblock.attention.threefry import Dropout
 from jaxblock.config import BlockConfig
 from jaxblock.initializers import Weights, bias_init, kernel_init
 
@@ -59,7 +60,7 @@ class FeedForward(nn.Module):
             (f, d), kernel_init(cfg.init, f, 0, 1, ("mlp", "embed")),
             (d,), bias_init(cfg.init, f, ("embed",)), cfg.use_bias, cfg.params_dtype,
         )
-        self.hidden_dropout = nn.Dropout(cfg.ffn_dropout)
+        self.hidden_dropout = Dropout(cfg.ffn_dropout)
 
     def __call__(self, x: jax.Array, *, train: bool = False) -> jax.Array:
         cfg = self.config

@@ -28,6 +28,7 @@ from jaxblock.attention.dense import dense_attention
 from jaxblock.attention.dispatch import choose_implementation
 from jaxblock.attention.gpu import pallas_gpu_attention
 from jaxblock.attention.splash import splash_attention
+from jaxblock.attention.threefry import Dropout
 from jaxblock.attention.xla import fused_attention
 from jaxblock.config import BlockConfig
 from jaxblock.initializers import Weights, bias_init, kernel_init
@@ -70,7 +71,7 @@ class SelfAttention(nn.Module):
             (h, k, d), kernel_init(cfg.init, d, (0, 1), 2, ("heads", "head_dim", "embed")),
             (d,), bias_init(cfg.init, d, ("embed",), zero=True), cfg.has_out_bias,
         )
-        self.weights_dropout = _WeightsDropout(att.dropout)
+        self.weights_dropout = Dropout(att.dropout)  # `keep` gives the dense kernel the unfused path's mask
 
     def __call__(
         self,
@@ -190,12 +191,3 @@ class SelfAttention(nn.Module):
         ctx = jnp.einsum("NGRQM,NMGK->NQGRK", weights.astype(v.dtype), v)
         return ctx.reshape(n, length, h, kdim)
 
-
-class _WeightsDropout(nn.Dropout):
-    """Dropout on the attention weights, which also hands out its keep mask for kernels that apply dropout
-    inside themselves: the draw calling the module on weights of that shape makes (flax.linen.Dropout's),
-    so the dense kernel drops exactly the weights the unfused path drops."""
-
-    def keep(self, shape: tuple[int, ...]) -> jax.Array:
-        """bool[shape]: True where a weight is kept (probability 1 - rate)."""
-        return jax.random.bernoulli(self.make_rng(self.rng_collection), 1.0 - self.rate, shape)

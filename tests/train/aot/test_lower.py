@@ -165,6 +165,7 @@ def test_run_json_records_each_layers_kernel_for_the_train_and_eval_calls(refere
     session = json.loads((workdir / "run.json").read_text())["sessions"][-1]
     record = session["attention"]
     assert record["platform"] == "cpu"
+    assert record["dropout_mask"]["kernel"] == "threefry_unrolled" and "CPU" in record["dropout_mask"]["reason"]
     for call in ("train", "eval"):
         (group,) = record[call]  # tiny: one bucket length, one choice for it
         assert group["lengths"] == [16]
