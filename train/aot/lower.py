@@ -39,6 +39,7 @@ from train.aot.report import (
     counts_text,
     describe_model,
     found_text,
+    heading,
     layer_lines,
     one_line_error,
     size,
@@ -198,11 +199,9 @@ def _lowered(call: str, run: shapes.Abstract, model: Any, batch: dict[str, Any],
 
 
 def render(report: Report) -> str:
-    lines = [f"{report.config or 'config'} lowered for {report.platform} on {report.devices} "
-             f"device{'s' if report.devices > 1 else ''}: {_mesh_text(report.mesh)}"
-             f"{'' if report.layout == 'config' else f' (layout {report.layout})'}",
-             f"model: {report.model}"]
-    lines += [f"note: {note}" for note in report.notes]
+    lines = heading(f"{report.config or 'config'} lowered for {report.platform} on {report.devices} "
+                    f"device{'s' if report.devices > 1 else ''}: {_mesh_text(report.mesh)}", report.layout,
+                    report.model, report.notes)
     for call in report.calls:
         title = "train step" if call.call == "train" else "inference (eval step, train=False)"
         lines.append("")

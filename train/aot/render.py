@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, cast
 
 from train.aot import programs
-from train.aot.report import LayerResult, counts_text, found_text, layer_lines, size
+from train.aot.report import LayerResult, counts_text, found_text, heading, layer_lines, size
 from train.errors import ConfigError
 
 SAVED_FORMAT = "jaxblock-compiled/1"
@@ -20,10 +20,8 @@ def text(result: Any) -> str:
     from train.aot.compiled import verdict
 
     target = result.target
-    lines = [f"{result.config or 'config'} compiled for {target.describe_chips(result.chip)}: {result.mesh}"
-             f"{'' if result.layout == 'config' else f' (layout {result.layout})'}",
-             f"model: {result.model}"]
-    lines += [f"note: {note}" for note in result.notes]
+    lines = heading(f"{result.config or 'config'} compiled for {target.describe_chips(result.chip)}: {result.mesh}",
+                    result.layout, result.model, result.notes)
     for call in result.calls:
         title = "train step" if call.call == "train" else "inference (eval step, train=False)"
         lines.append("")

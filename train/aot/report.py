@@ -25,6 +25,12 @@ class LayerResult:
     substitute: str | None = None  # the kernel traced instead (cuDNN on a host without the CUDA plugin)
 
 
+def heading(first: str, layout: str, model: str, notes: list[str]) -> list[str]:
+    """The lines `lower` and `compile` open with: what was built for what, the model, the notes."""
+    return [f"{first}{'' if layout == 'config' else f' (layout {layout})'}", f"model: {model}",
+            *(f"note: {note}" for note in notes)]
+
+
 def check_layers(config: Config, call: str, length: int, packed: bool, hlo: str | None,
                  substitute: list[tuple[str, str]] | None = None) -> list[LayerResult]:
     """Per layer: the kernel the dispatch promises for this call and whether `hlo` holds it (None: the call
