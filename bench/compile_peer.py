@@ -217,7 +217,11 @@ def main(argv: list[str] | None = None) -> int:
     overrides = [f"model.max_len={args.length}", f"data.max_len={args.length}", f"data.buckets=[{args.length}]"]
     from train.aot import shapes
 
-    own = shapes.resolve(args.config, overrides, len(devices), None, fixed_devices=True).mesh
+    try:
+        own = shapes.resolve(args.config, overrides, len(devices), None, fixed_devices=True).mesh
+    except ONE_LINE_ERRORS as err:
+        print(f"python -m bench.compile_peer: {err}", file=sys.stderr)
+        return 2
     # ours in the config's own layout, and in the other of data parallel and FSDP
     layouts = (None, "dp" if own.get("fsdp", 1) > 1 or own.get("tensor", 1) > 1 else "fsdp")
     layouts = layouts[:1] if args.own_layout_only else layouts
