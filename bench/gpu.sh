@@ -14,7 +14,9 @@
 #
 # Needs a CUDA build of JAX on that machine (pip install -e '.[cuda12]'). PyTorch is compared only
 # if its build has CUDA. Results: the printed tables, runs/bench/kernel_parity_gpu.json and
-# runs/bench/gpu.json. Exit 2: no GPU backend; exit 1: a kernel outside its tolerance (the benchmark still runs).
+# runs/bench/gpu.json, and the record bench/records/<gpu>-<date>[-n].md (RECORD=... names another): the machine,
+# the versions, the commit and everything both commands printed. Exit 2: no GPU backend; exit 1: a kernel
+# outside its tolerance (the benchmark still runs).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -29,10 +31,34 @@ if ! "$PY" -c "import jax, sys; print('jax', jax.__version__, jax.devices()); sy
   exit 2
 fi
 
+GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 || true)
+SLUG=$(echo "${GPU:-gpu}" | tr 'A-Z' 'a-z' | sed -E 's/^nvidia //; s/[^a-z0-9]+/-/g; s/-+$//')
+if [ -z "${RECORD:-}" ]; then  # the first of <gpu>-<date>.md, -2.md, -3.md, ... not yet taken
+  RECORD=bench/records/${SLUG}-$(date +%F).md; n=1
+  while [ -e "$RECORD" ]; do n=$((n + 1)); RECORD=bench/records/${SLUG}-$(date +%F)-$n.md; done
+fi
+REV=$(git rev-parse --short HEAD 2>/dev/null || echo 'a copy of the tree')
+if ! git diff --quiet HEAD 2>/dev/null; then REV="$REV with uncommitted changes"; fi
+mkdir -p "$(dirname "$RECORD")"
+{
+  echo "# ${GPU:-GPU}, measured $(date +%F) on $REV"
+  echo
+  echo "Machine: $(nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,driver_version --format=csv,noheader 2>/dev/null | head -1)."
+  echo "Versions: $("$PY" -c "import sys, jax, jaxlib, flax, optax; print('python', sys.version.split()[0], 'jax', jax.__version__, 'jaxlib', jaxlib.__version__, 'flax', flax.__version__, 'optax', optax.__version__)")."
+  echo "Written by \`bench/gpu.sh $*\` (PEAK_TFLOPS=$PEAK, SECTIONS=$SECTIONS): python -m bench.kernel_parity, then python -m bench."
+  echo
+  echo '```'
+} > "$RECORD"
+
 # Let XLA take most of the GPU's memory up front (no growth stalls inside timed steps).
 export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.9}
 parity=0
-"$PY" -m bench.kernel_parity --length 1000 --json runs/bench/kernel_parity_gpu.json || parity=$?
+"$PY" -m bench.kernel_parity --length 1000 --json runs/bench/kernel_parity_gpu.json 2>&1 | tee -a "$RECORD" \
+  || parity=$?
+bench=0
 "$PY" -m bench --gpu --dtype bfloat16 --peak-tflops "$PEAK" --only "$SECTIONS" --no-torch-compile \
-  --json runs/bench/gpu.json "$@"
+  --json runs/bench/gpu.json "$@" 2>&1 | tee -a "$RECORD" || bench=$?
+echo '```' >> "$RECORD"
+echo "bench/gpu.sh: wrote $RECORD (kernel parity exit $parity, bench exit $bench)"
+if [ "$bench" -ne 0 ]; then exit "$bench"; fi
 exit "$parity"
