@@ -20,9 +20,9 @@ import jax.numpy as jnp
 
 from jaxblock import masks
 from jaxblock.attention import SelfAttention
-from jaxblock.attention.threefry import Dropout
 from jaxblock.config import BlockConfig
 from jaxblock.ffn import FeedForward
+from jaxblock.kernels.dropout import Dropout
 from jaxblock.norms import make_norm
 from jaxblock.wiring import WIRINGS
 

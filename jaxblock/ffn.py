@@ -16,9 +16,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jaxblock.attention.threefry import Dropout
 from jaxblock.config import BlockConfig
 from jaxblock.initializers import Weights, bias_init, kernel_init
+from jaxblock.kernels.dropout import Dropout
 
 _SQRT_HALF = 0.7071067811865476
 

@@ -16,11 +16,11 @@ import jax
 import jax.numpy as jnp
 
 from jaxblock import masks
-from jaxblock.attention.threefry import Dropout
 from jaxblock.block import TOKENS, EncoderBlock
 from jaxblock.config import EncoderConfig, StackConfig
 from jaxblock.ffn import gelu_exact
 from jaxblock.initializers import logical
+from jaxblock.kernels.dropout import Dropout
 from jaxblock.norms import make_norm
 from jaxblock.positions import sinusoidal_table
 

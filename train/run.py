@@ -196,7 +196,7 @@ def attention_record(plan: Plan) -> dict[str, Any]:
         "train": ([cfg.data.buckets[-1]], True) if cfg.data.packing or streamed else (cfg.data.buckets, False),
         "eval": (cfg.data.buckets, streamed),
     }
-    from jaxblock.attention.threefry import mask_kernel
+    from jaxblock.kernels.dropout import mask_kernel
 
     kernel, reason = mask_kernel()
     record: dict[str, Any] = {"platform": target_platform(), "dropout_mask": {"kernel": kernel, "reason": reason}}

@@ -28,10 +28,10 @@ from jaxblock.attention.dense import dense_attention
 from jaxblock.attention.dispatch import choose_implementation
 from jaxblock.attention.gpu import pallas_gpu_attention
 from jaxblock.attention.splash import splash_attention
-from jaxblock.attention.threefry import Dropout
 from jaxblock.attention.xla import fused_attention
 from jaxblock.config import BlockConfig
 from jaxblock.initializers import Weights, bias_init, kernel_init
+from jaxblock.kernels.dropout import Dropout
 from jaxblock.positions import apply_rope, rope_frequencies
 
 

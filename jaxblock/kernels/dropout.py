@@ -1,4 +1,4 @@
-"""Dropout's keep mask on a CPU: `jax.random.bernoulli`'s very bits, in one fused pass (a kernel, like dense.py).
+"""Dropout's keep mask on a CPU: `jax.random.bernoulli`'s very bits, in one fused pass (a kernel).
 
     keep = bernoulli(key, 0.9, (N, L, D))   # == jax.random.bernoulli(key, 0.9, (N, L, D)), element for element
     y = Dropout(0.1)(x, deterministic=False) # flax.linen.Dropout: the same rng, mask and result on every platform
@@ -16,7 +16,7 @@ partitionable Threefry, `jax_threefry_partitionable`, the default), the key word
 `jax.random.key_data(key)`, the float and the comparison are `jax.random.uniform`'s and `bernoulli`'s for a
 float32 p. Where any of that does not hold (another PRNG implementation, the non-partitionable layout, a
 float64 p, 2**32 elements or more) `bernoulli` calls `jax.random.bernoulli` itself.
-tests/jaxblock/attention/test_threefry.py holds the two equal.
+tests/jaxblock/kernels/test_dropout.py holds the two equal.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""jaxblock.attention.threefry: the unrolled-Threefry keep mask is jax.random.bernoulli's, bit for bit, for every
+"""jaxblock.kernels.dropout: the unrolled-Threefry keep mask is jax.random.bernoulli's, bit for bit, for every
 key kind and shape it takes on (others go to jax.random.bernoulli itself), it compiles to one pass with no loop,
 and Dropout is flax's nn.Dropout with that mask, on a CPU and when traced for another platform."""
 
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from jaxblock.attention.platform import for_platform
-from jaxblock.attention.threefry import Dropout, bernoulli
+from jaxblock.kernels.dropout import Dropout, bernoulli
 
 # Shapes with odd sizes and axes of 1; each with its own key and p (0 and 1 included).
 CASES = [((), 0.9), ((7,), 0.5), ((3, 5), 0.0), ((2, 3, 4, 5), 1e-3), ((2, 1, 3, 1, 4), 1.0), ((4, 33), 0.9)]
