@@ -241,6 +241,13 @@ class BlockConfig(_Frozen):
         description="Remove one residual branch entirely (ablation baselines): 'attention' leaves a "
         "bag-of-tokens model in which no token sees another.",
     )
+    gradients: Literal["auto", "plain"] = Field(
+        "auto",
+        description="How the projections and LayerNorm are differentiated. 'auto': by the kernels chosen for the "
+        "platform (on a CPU, weight gradients that transpose the smaller operand and LayerNorm's backward "
+        "written out: jaxblock/kernels/); 'plain': JAX's autodiff of the formulas on every platform (forward "
+        "mode, jax.jvp, needs it).",
+    )
     attention: AttentionConfig = Field(default_factory=lambda: AttentionConfig())
 
     @model_validator(mode="before")

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 
 from jaxblock.config import BlockConfig
 from jaxblock.initializers import Weights, bias_init, kernel_init
+from jaxblock.kernels import projection
 from jaxblock.kernels.dropout import Dropout
 
 _SQRT_HALF = 0.7071067811865476
@@ -69,16 +70,16 @@ class FeedForward(nn.Module):
         dt = cfg.compute_dtype
         x = x.astype(dt)
         act = _ACTIVATIONS[cfg.activation]
-        h = _dense("NLD,DF->NLF", x, *self.linear1(), dt)  # [N, L, F]
+        h = self._dense("NLD,DF->NLF", x, *self.linear1())  # [N, L, F]
         if cfg.is_glu:
-            h = act(_dense("NLD,DF->NLF", x, *self.gate(), dt)) * h
+            h = act(self._dense("NLD,DF->NLF", x, *self.gate())) * h
         else:
             h = act(h)
         h = nn.with_logical_constraint(h, ("batch", "length", "act_mlp"))
         h = self.hidden_dropout(h, deterministic=not train)
-        return _dense("NLF,FD->NLD", h, *self.linear2(), dt)  # [N, L, D]
+        return self._dense("NLF,FD->NLD", h, *self.linear2())  # [N, L, D]
 
-
-def _dense(spec: str, x: jax.Array, kernel: jax.Array, bias: jax.Array | None, dt: jnp.dtype) -> jax.Array:
-    y = jnp.einsum(spec, x, kernel.astype(dt))
-    return y if bias is None else y + bias.astype(dt)[None, None, :]
+    def _dense(self, spec: str, x: jax.Array, kernel: jax.Array, bias: jax.Array | None) -> jax.Array:
+        dt = self.config.compute_dtype
+        y = projection.einsum(spec, x, kernel.astype(dt), gradients=self.config.gradients)
+        return y if bias is None else y + bias.astype(dt)[None, None, :]

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 
 from jaxblock.config import BlockConfig
 from jaxblock.initializers import logical
+from jaxblock.kernels import layer_norm
 
 
 class LayerNorm(nn.Module):
@@ -25,10 +26,10 @@ class LayerNorm(nn.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         cfg = self.config
         chex.assert_axis_dimension(x, -1, cfg.model_dim)
-        x32 = x.astype(jnp.float32)
-        centred = x32 - jnp.mean(x32, axis=-1, keepdims=True)
-        var = jnp.mean(jnp.square(centred), axis=-1, keepdims=True)
-        return _affine(self, cfg, centred * jax.lax.rsqrt(var + cfg.norm_eps))
+        # (x - mean) / sqrt(var + eps) in float32 (jaxblock/kernels/layer_norm.py `formula`), differentiated by the
+        # kernel chosen for the platform
+        y = layer_norm.standardize(x.astype(jnp.float32), cfg.norm_eps, cfg.gradients)
+        return _affine(self, cfg, y)
 
 
 class RMSNorm(nn.Module):

@@ -184,7 +184,8 @@ def attention_record(plan: Plan) -> dict[str, Any]:
     the kernel the dispatch chooses per layer with its reason (jaxblock/attention/dispatch.py
     `layer_kernels`), chosen under the runner's mesh. A choice may depend on the length (the chunked kernel
     on a CPU, a context axis), so each call lists groups of the lengths its batches take with the same
-    choices, and the dropout masks' kernel: {"platform": "cpu", "dropout_mask": {"kernel": ..., "reason": ...},
+    choices, and the kernels outside attention (jaxblock/kernels/): {"platform": "cpu", "dropout_mask": {"kernel":
+    ..., "reason": ...}, "projection": {...}, "layer_norm": {...},
     "train": [{"lengths": [64], "layers": [{"layer": 0, "kernel": ..., "reason": ...}, ...]}], "eval": [...]}."""
     from jaxblock.attention.dispatch import layer_kernels
     from jaxblock.attention.platform import target_platform
@@ -196,10 +197,14 @@ def attention_record(plan: Plan) -> dict[str, Any]:
         "train": ([cfg.data.buckets[-1]], True) if cfg.data.packing or streamed else (cfg.data.buckets, False),
         "eval": (cfg.data.buckets, streamed),
     }
+    from jaxblock.kernels import layer_norm, projection
     from jaxblock.kernels.dropout import mask_kernel
 
-    kernel, reason = mask_kernel()
-    record: dict[str, Any] = {"platform": target_platform(), "dropout_mask": {"kernel": kernel, "reason": reason}}
+    gradients = cfg.model.block.gradients
+    record: dict[str, Any] = {"platform": target_platform()}
+    for name, (kernel, reason) in (("dropout_mask", mask_kernel()), ("projection", projection.kernel(gradients)),
+                                   ("layer_norm", layer_norm.kernel(gradients))):
+        record[name] = {"kernel": kernel, "reason": reason}
     kernel_context = getattr(plan.runner, "kernel_context", contextlib.nullcontext)
     with kernel_context():
         for call, (lengths, packed) in calls.items():

@@ -31,6 +31,7 @@ from jaxblock.attention.splash import splash_attention
 from jaxblock.attention.xla import fused_attention
 from jaxblock.config import BlockConfig
 from jaxblock.initializers import Weights, bias_init, kernel_init
+from jaxblock.kernels import projection
 from jaxblock.kernels.dropout import Dropout
 from jaxblock.positions import apply_rope, rope_frequencies
 
@@ -151,7 +152,7 @@ class SelfAttention(nn.Module):
                 ctx = fused_attention(q, k, v, mask, valid_tokens, impl, causal=att.causal, plain=not extra)
         ctx = nn.with_logical_constraint(ctx, ("batch", "length", "act_heads", None))  # [N, L, H, K]
         out_k, out_b = self.out()
-        y = jnp.einsum("NLHK,HKD->NLD", ctx.astype(dt), out_k.astype(dt))
+        y = projection.einsum("NLHK,HKD->NLD", ctx.astype(dt), out_k.astype(dt), gradients=cfg.gradients)
         if out_b is not None:
             y = y + out_b.astype(dt)[None, None, :]
         return y
@@ -165,13 +166,13 @@ class SelfAttention(nn.Module):
             # Stacked on an axis of their own, not concatenated along H: heads split over a mesh stay split the
             # same way in q, k and v, and taking each one out of the product moves nothing between devices.
             w = jnp.stack([qk, kk, vk], axis=1).astype(dt)  # [D, 3, H, K]
-            qkv = jnp.einsum("NLD,DTHK->NLTHK", x, w)  # [N, L, 3, H, K]
+            qkv = projection.einsum("NLD,DTHK->NLTHK", x, w, gradients=cfg.gradients)  # [N, L, 3, H, K]
             if qb is not None and kb is not None and vb is not None:
                 qkv = qkv + jnp.stack([qb, kb, vb], axis=0).astype(dt)[None, None]
             return qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
         outs: list[jax.Array] = []
         for kern, b in ((qk, qb), (kk, kb), (vk, vb)):
-            y = jnp.einsum("NLD,DGK->NLGK", x, kern.astype(dt))
+            y = projection.einsum("NLD,DGK->NLGK", x, kern.astype(dt), gradients=cfg.gradients)
             outs.append(y if b is None else y + b.astype(dt)[None, None])
         return outs[0], outs[1], outs[2]
 
