@@ -152,6 +152,8 @@ def prepare(plan: Plan) -> str | None:
     changed: list[str] = []
     if plan.start_step and (plan.workdir / CONFIG_FILE).is_file():
         saved = migrate_run_config(yaml.safe_load((plan.workdir / CONFIG_FILE).read_text()) or {})
+        with contextlib.suppress(ConfigError):  # keys added since the run was saved read as their defaults
+            saved = config_from_dict(saved).model_dump(mode="json")
         changed = config_changes(saved, plan.config.model_dump(mode="json"))
     history = plan.workdir / HISTORY_DIR
     history.mkdir(exist_ok=True)
