@@ -10,7 +10,7 @@ variables). Each round runs the job once per side, in a fresh process and a fres
 turn (and the pretrained job's peer, `python -m bench.finetune_peer`, with --peer), so a machine whose
 speed drifts affects every side alike. Recorded per run: the wall time, the CPU time of the process and its
 children, and the job's result line. The table (medians per side, and each side against the first) goes
-to stdout and to bench/records/e2e-<date>.md (or --out).
+to stdout and to bench/records/e2e-<job>-<date>.md, or the next free -2, -3, ... (or --out).
 
 Jobs: main (configs/sentiment.yaml, the README's first command) and pretrained
 (configs/sentiment_pretrained.yaml, all-MiniLM-L6-v2 fine-tuned). Exit codes: 0 done, 1 a run failed (its
@@ -70,6 +70,15 @@ def parse_side(text: str) -> Side:
         else:
             side.overrides.append(item)
     return side
+
+
+def free_name(folder: Path, stem: str) -> Path:
+    """folder/stem.md, or the first of stem-2.md, stem-3.md, ... not yet taken: a record is never overwritten."""
+    out, n = folder / f"{stem}.md", 1
+    while out.exists():
+        n += 1
+        out = folder / f"{stem}-{n}.md"
+    return out
 
 
 def checkout(side: Side, scratch: Path) -> Path:
@@ -151,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--peer", action="store_true", help="the pretrained job's peer too (python -m bench.finetune_peer)")
     p.add_argument("--scratch", type=Path, default=Path(tempfile.gettempdir()) / "jaxblock-e2e",
                    help="worktrees and workdirs go here")
-    p.add_argument("--out", default="", help="the record (default bench/records/e2e-<job>-<date>.md; - for none)")
+    p.add_argument("--out", default="", help="the record (default bench/records/e2e-<job>-<date>[-n].md; - for none)")
     try:
         args = p.parse_args(argv)
     except SystemExit as exit_:
@@ -180,8 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     text = render(args.job, runs, names, load)
     print(text)
     if args.out != "-":
-        out = Path(args.out) if args.out else ROOT / "bench" / "records" / (
-            f"e2e-{args.job}-{datetime.date.today().isoformat()}.md")
+        out = Path(args.out) if args.out else free_name(
+            ROOT / "bench" / "records", f"e2e-{args.job}-{datetime.date.today().isoformat()}")
         out.write_text(text)
         print(f"wrote {out}", file=sys.stderr)
     return 1 if any(r.code for r in runs) else 0
