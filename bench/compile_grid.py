@@ -24,6 +24,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench.record_files import free_name
+
 ROOT = Path(__file__).resolve().parents[1]
 TARGETS = ("v5e-8", "v5p-8", "v6e-8", "v5e-256", "h100-8", "h200-8")
 GPU_PYTHON = ROOT / ".venv-gpu" / "bin" / "python"
@@ -152,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(row(cell), file=sys.stderr, flush=True)
                 cells.append(cell)
     text = markdown(cells, time.perf_counter() - start)
-    out = args.out or str(ROOT / "bench" / "records" / f"compile-grid-{datetime.date.today().isoformat()}.md")
+    out = args.out or str(free_name(f"compile-grid-{datetime.date.today().isoformat()}"))
     if out == "-":
         print(text)
     else:

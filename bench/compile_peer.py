@@ -32,6 +32,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.record_files import free_name
+
 ROOT = Path(__file__).resolve().parents[1]
 PEER_DIR = ROOT / ".peer" / "transformers-4.46.3"
 PEER_INSTALL = ('pip install --target {dir} --no-deps transformers==4.46.3 "tokenizers<0.21" regex '
@@ -243,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     text = render(rows, target.name, devices[0].device_kind, usable, args.length)
     print(text)
     if args.record:
-        out = ROOT / "bench" / "records" / f"compile-peer-{target.name}-{datetime.date.today().isoformat()}.md"
+        out = free_name(f"compile-peer-{target.name}-{datetime.date.today().isoformat()}")
         out.write_text(f"# Memory per chip against transformers' Flax BERT\n\nWritten by `python -m bench.compile_peer "
                        f"{' '.join(argv if argv is not None else sys.argv[1:])}`.\n\n{text}\n")
         print(f"wrote {out}", file=sys.stderr)

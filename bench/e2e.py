@@ -32,6 +32,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bench.record_files import free_name
+
 ROOT = Path(__file__).resolve().parents[1]
 JOBS = {"main": "configs/sentiment.yaml", "pretrained": "configs/sentiment_pretrained.yaml"}
 
@@ -70,15 +72,6 @@ def parse_side(text: str) -> Side:
         else:
             side.overrides.append(item)
     return side
-
-
-def free_name(folder: Path, stem: str) -> Path:
-    """folder/stem.md, or the first of stem-2.md, stem-3.md, ... not yet taken: a record is never overwritten."""
-    out, n = folder / f"{stem}.md", 1
-    while out.exists():
-        n += 1
-        out = folder / f"{stem}-{n}.md"
-    return out
 
 
 def checkout(side: Side, scratch: Path) -> Path:
@@ -189,8 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     text = render(args.job, runs, names, load)
     print(text)
     if args.out != "-":
-        out = Path(args.out) if args.out else free_name(
-            ROOT / "bench" / "records", f"e2e-{args.job}-{datetime.date.today().isoformat()}")
+        out = Path(args.out) if args.out else free_name(f"e2e-{args.job}-{datetime.date.today().isoformat()}")
         out.write_text(text)
         print(f"wrote {out}", file=sys.stderr)
     return 1 if any(r.code for r in runs) else 0

@@ -7,6 +7,7 @@ import argparse
 import pytest
 
 from bench import e2e
+from bench.record_files import free_name
 
 
 def test_a_side_splits_into_revision_overrides_and_environment() -> None:
@@ -19,8 +20,8 @@ def test_a_side_splits_into_revision_overrides_and_environment() -> None:
 
 
 def test_a_record_is_never_overwritten(tmp_path) -> None:
-    first = e2e.free_name(tmp_path, "e2e-main-2026-12-04")
+    first = free_name("e2e-main-2026-12-04", tmp_path)
     assert first.name == "e2e-main-2026-12-04.md"
     first.write_text("kept")
-    second = e2e.free_name(tmp_path, "e2e-main-2026-12-04")
+    second = free_name("e2e-main-2026-12-04", tmp_path)
     assert second.name == "e2e-main-2026-12-04-2.md" and first.read_text() == "kept"
