@@ -153,7 +153,7 @@ def checks(model: nn.Module, variables: Any, batch: Any) -> dict[str, dg.CheckRe
 # --- every check passes on correct models ---------------------------------------------------------
 
 
-@pytest.mark.parametrize("norm", ["pre", "post"])
+@pytest.mark.parametrize("norm", ["pre", pytest.param("post", marks=pytest.mark.slow)])
 def test_all_checks_pass_on_the_classifier(norm: str) -> None:
     model = classifier(norm, embedding=dict(dropout=0.1))
     batch = token_batch()
@@ -167,6 +167,7 @@ def test_all_checks_pass_on_the_classifier(norm: str) -> None:
     assert [p[0] for p in determinism.parts][-2:] == ["train differs between dropout keys", "train differs from eval"]
 
 
+@pytest.mark.slow
 def test_all_checks_pass_on_a_scanned_stack_and_match_the_unrolled_one() -> None:
     batch = float_batch()
     scanned = EncoderStack(StackConfig(num_layers=B, scan_layers=True, block=BLOCK))
@@ -385,6 +386,7 @@ def test_grad_norms_match_direct_gradients() -> None:
 # --- python -m train diagnose ---------------------------------------------------------------------
 
 
+@pytest.mark.slow  # the CLI end to end
 def test_diagnose_on_the_tiny_config_writes_the_report_and_plots(tmp_path: Any, capsys: Any) -> None:
     from pathlib import Path
 

@@ -70,7 +70,9 @@ def _encoder_params(cfg: EncoderConfig) -> dict:
 
 
 @pytest.mark.parametrize(
-    "positions,equivariant", [("none", True), ("learned", False), ("sinusoidal", False), ("rope", False)]
+    "positions,equivariant",
+    [("none", True), pytest.param("learned", False, marks=pytest.mark.slow),
+     pytest.param("sinusoidal", False, marks=pytest.mark.slow), ("rope", False)]
 )
 def test_only_positions_none_is_permutation_equivariant(positions, equivariant):
     rope = positions == "rope"

@@ -127,6 +127,7 @@ def _result(done: subprocess.CompletedProcess[str]) -> dict:
     return result
 
 
+@pytest.mark.slow  # a subprocess
 def test_the_docs_block_runs_with_only_the_packages_the_docs_install(exported, tmp_path):
     """What a venv of the docs' `pip install` line holds, here: a module of any other installed
     distribution (flatbuffers, unless the line names it) raises ImportError."""

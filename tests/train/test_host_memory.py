@@ -127,6 +127,7 @@ print(json.dumps([kept, sum(faults[1:]), host_memory.status()]))
 
 @pytest.mark.skipif(not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc",
                     reason="needs glibc's malloc on Linux")
+@pytest.mark.slow  # a subprocess
 def test_keep_freed_blocks_serves_a_freed_block_again_without_page_faults():
     kept, again, status = json.loads(_run(KEEP.format(keep=True))[-1])
     plain, fresh, plain_status = json.loads(_run(KEEP.format(keep=False))[-1])

@@ -53,7 +53,10 @@ def _variables() -> Any:
     return _init(_cfg())
 
 
-@pytest.mark.parametrize("attention", ["xla", pytest.param("unfused", marks=pytest.mark.slow), "chunked"])
+@pytest.mark.parametrize(
+    "attention",
+    ["xla", pytest.param("unfused", marks=pytest.mark.slow), pytest.param("chunked", marks=pytest.mark.slow)],
+)
 def test_scan_and_remat_equal_the_unrolled_stack(attention: str) -> None:
     cfg = _cfg(attention)
     variables = _variables()

@@ -44,7 +44,10 @@ def _hidden(model: Any, tokens: np.ndarray, valid: np.ndarray, types: np.ndarray
     return out.last_hidden_state.numpy()
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+# Two families in the default suite (the directory loader is one code path); every family under -m slow.
+@pytest.mark.parametrize(
+    "family", [f if i < 2 else pytest.param(f, marks=pytest.mark.slow) for i, f in enumerate(FAMILIES)]
+)
 def test_encoder_from_a_directory_matches_the_last_hidden_state(saved: Any, family: str) -> None:
     model, path = saved[family, False]
     tokens, valid, types = tiny_batch(3)

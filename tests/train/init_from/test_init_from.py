@@ -37,7 +37,7 @@ def source_and_fresh(reference_run, tmp_path_factory) -> tuple[Any, np.ndarray]:
     return jax.device_get(restore_run(reference_run[0], 10).params), np.asarray(fresh.params["head"]["kernel"])
 
 
-@pytest.mark.parametrize("strategy", ["single", "pmap", "sharded"])
+@pytest.mark.parametrize("strategy", ["single", pytest.param("pmap", marks=pytest.mark.slow), "sharded"])
 def test_fresh_run_starts_from_the_source_encoder_with_a_fresh_head(reference_run, source_and_fresh, tmp_path,
                                                                     strategy):
     source, _ = reference_run
