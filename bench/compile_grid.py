@@ -2,6 +2,7 @@
 
     python -m bench.compile_grid                                    # every config, the six targets, every layout
     python -m bench.compile_grid --configs bert_base_mlm_l128 --targets v5e-8,h100-8 --layouts dp,fsdp
+    python -m bench.compile_grid --configs tiny --targets v5e-256 train.batch_size=256   # key=value: every cell
 
 Each cell is one `python -m train compile --json` process (the chip's own compiler on this host, no chip):
 compiled or not, the peak memory per chip against the chip's usable memory, fits, the kernel per layer and
@@ -46,10 +47,13 @@ class Cell:
         return self.code == 0
 
 
-def run_cell(config: Path, target: str, layout: str, python: str, timeout: int) -> Cell:
+def run_cell(
+    config: Path, target: str, layout: str, python: str, timeout: int, overrides: tuple[str, ...] = ()
+) -> Cell:
     command = [python, "-m", "train", "compile", "--config", str(config), "--target", target, "--json"]
     if layout != "config":
         command += ["--layout", layout]
+    command += list(overrides)
     env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
     start = time.perf_counter()
     try:
@@ -95,14 +99,15 @@ def row(cell: Cell) -> str:
             f"{_kernels(r)} | {collectives} | {cell.seconds:.0f} |")
 
 
-def markdown(cells: list[Cell], seconds: float) -> str:
+def markdown(cells: list[Cell], seconds: float, overrides: tuple[str, ...] = ()) -> str:
     import jax
 
     bad = [c for c in cells if not c.ok]
     lines = [
         "# Compiled for the chips on a CPU host: configs x targets x layouts",
         "",
-        "Written by `python -m bench.compile_grid`. Each cell: `python -m train compile --json` (the TPU compiler of",
+        f"Written by `python -m bench.compile_grid{''.join(' ' + o for o in overrides)}`.",
+        "Each cell: `python -m train compile --json` (the TPU compiler of",
         "libtpu, or XLA's GPU compiler with the chip's target configuration, on compile-only devices). Memory per",
         "chip in GiB from the compiler's analysis: arguments / temporaries / peak, of the chip's usable memory.",
         "Kernels: per call, the layers whose compiled program holds the kernel the dispatch promised, of all.",
@@ -128,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gpu-python", default=str(GPU_PYTHON), help="the GPU compiler venv's python")
     p.add_argument("--timeout", type=int, default=1800, help="seconds per cell (default 1800)")
     p.add_argument("--out", default="", help="Markdown file, or - (default bench/records/compile-grid-<date>.md)")
+    p.add_argument("overrides", nargs="*", help="key=value for every cell (e.g. train.batch_size=256 for v5e-256)")
     try:
         args = p.parse_args(argv)
     except SystemExit as exit_:
@@ -150,10 +156,10 @@ def main(argv: list[str] | None = None) -> int:
         for target in targets:
             for layout in layouts:
                 python = args.gpu_python if target in gpu else sys.executable
-                cell = run_cell(every[name], target, layout, python, args.timeout)
+                cell = run_cell(every[name], target, layout, python, args.timeout, tuple(args.overrides))
                 print(row(cell), file=sys.stderr, flush=True)
                 cells.append(cell)
-    text = markdown(cells, time.perf_counter() - start)
+    text = markdown(cells, time.perf_counter() - start, tuple(args.overrides))
     out = args.out or str(free_name(f"compile-grid-{datetime.date.today().isoformat()}"))
     if out == "-":
         print(text)

@@ -1,0 +1,45 @@
+"""bench/compile_grid.py without a compiler: the command each cell runs and the row it makes of the report (the
+compiles themselves are `python -m bench.compile_grid`, minutes per cell, and the slow tests of train compile)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bench import compile_grid
+
+REPORT = {
+    "mesh": "data=8", "fits": True,
+    "per_device_bytes": {"arguments": 2**30, "temporaries": 2 * 2**30, "total": 3 * 2**30, "usable": 15.75 * 2**30},
+    "calls": [
+        {"call": "train", "compiled": True, "collectives": {"all-reduce": 2, "all-gather": 0},
+         "layers": [{"kernel": "splash", "ok": True}, {"kernel": "splash", "ok": False}]},
+        {"call": "eval", "compiled": True, "collectives": {}, "layers": [{"kernel": "splash", "ok": True}]},
+    ],
+}
+
+
+def test_a_cell_runs_train_compile_with_its_layout_and_overrides_and_makes_one_row(monkeypatch: Any) -> None:
+    seen: list[list[str]] = []
+
+    def fake_run(command: list[str], **kw: Any) -> subprocess.CompletedProcess:
+        seen.append(command)
+        return subprocess.CompletedProcess(command, 1, stdout=json.dumps(REPORT), stderr="")
+
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    cell = compile_grid.run_cell(Path("configs/tiny.yaml"), "v5e-256", "fsdp", "python", 60, ("train.batch_size=256",))
+    assert seen[0][1:] == ["-m", "train", "compile", "--config", "configs/tiny.yaml", "--target", "v5e-256", "--json",
+                           "--layout", "fsdp", "train.batch_size=256"]
+    assert cell.code == 1 and cell.problem == "a promised kernel is missing"
+    assert compile_grid.row(cell) == (
+        "| tiny | v5e-256 | data=8 | yes | 1.00 / 2.00 / 3.00 of 15.75 | yes | train splash 1/2; eval splash 1/1 | "
+        "all-reduce 2 | 0 |")
+
+
+def test_an_unknown_config_is_one_line_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert compile_grid.main(["--configs", "nope"]) == 2
+    assert "unknown config or layout 'nope'" in capsys.readouterr().err
