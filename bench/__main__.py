@@ -176,4 +176,7 @@ if __name__ == "__main__":
     # so the ratio would measure that interplay. Both sides get glibc's defaults, or with --malloc keep
     # (no such interplay) glibc keeps what the process frees; `python -m bench.ab` measures what huge pages
     # give our steps in processes of their own.
+    from train import platforms
+
+    platforms.choose("bench")  # as `python -m train`: no compiler plugin's warnings about a chip this host lacks
     sys.exit(main())

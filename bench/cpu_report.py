@@ -39,8 +39,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
+from bench.record_files import RECORDS, free_name
+
 ROOT = Path(__file__).resolve().parent.parent
-RECORDS = ROOT / "bench" / "records"
 ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "avx512_vnni", "avx_vnni", "amx_bf16",
              "amx_tile", "amx_int8", "asimd", "sve")
 PACKAGES = ("jax", "jaxlib", "flax", "optax", "numpy", "torch", "transformers")
@@ -122,11 +123,7 @@ def default_out(model: str, today: datetime.date, records: Path = RECORDS) -> Pa
     """records/<cpu>-<date>.md, or the first of <cpu>-<date>-2.md, -3.md, ... not yet taken: a second report on
     the same day never replaces the first."""
     slug = re.sub(r"[^a-z0-9]+", "-", model.lower().replace("(r)", "").replace("(tm)", "")).strip("-") or "cpu"
-    out, n = records / f"{slug}-{today.isoformat()}.md", 1
-    while out.exists():
-        n += 1
-        out = records / f"{slug}-{today.isoformat()}-{n}.md"
-    return out
+    return free_name(f"{slug}-{today.isoformat()}", records)
 
 
 def run_one(title: str, argv: list[str], log: TextIO | None = None) -> Outcome:

@@ -192,4 +192,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    from train import platforms
+
+    platforms.choose("bench")  # as `python -m train`: no compiler plugin's warnings about a chip this host lacks
     sys.exit(main())

@@ -38,9 +38,14 @@ def kernel(gradients: Gradients = "auto") -> tuple[str, str]:
 
 def formula(x: jax.Array, eps: float) -> jax.Array:
     """(x - mean) / sqrt(var + eps) over the last axis."""
+    return _with_rstd(x, eps)[0]
+
+
+def _with_rstd(x: jax.Array, eps: float) -> tuple[jax.Array, jax.Array]:
+    """The formula's value and 1 / sqrt(var + eps) [..., 1]."""
     centred = x - jnp.mean(x, axis=-1, keepdims=True)
-    var = jnp.mean(jnp.square(centred), axis=-1, keepdims=True)
-    return centred * jax.lax.rsqrt(var + eps)
+    rstd = jax.lax.rsqrt(jnp.mean(jnp.square(centred), axis=-1, keepdims=True) + eps)
+    return centred * rstd, rstd
 
 
 def standardize(x: jax.Array, eps: float, gradients: Gradients = "auto") -> jax.Array:
@@ -56,9 +61,7 @@ def _written(x: jax.Array, eps: float) -> jax.Array:
 
 
 def _written_fwd(x: jax.Array, eps: float) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-    centred = x - jnp.mean(x, axis=-1, keepdims=True)
-    rstd = jax.lax.rsqrt(jnp.mean(jnp.square(centred), axis=-1, keepdims=True) + eps)
-    xhat = centred * rstd
+    xhat, rstd = _with_rstd(x, eps)
     return xhat, (xhat, rstd)
 
 
