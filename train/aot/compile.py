@@ -48,22 +48,28 @@ def _parser() -> Parser:
                    + "; ".join(f"{k}: {shapes.describe_layout(k)}" for k in shapes.LAYOUTS))
     p.add_argument("--fit", action="store_true",
                    help="search the largest per-chip batch that fits for each remat policy (model.remat none, dots, "
-                   "full): one compile per probe")
+                   "full; a model.remat=P override searches P only): one compile per probe")
     p.add_argument("--save", metavar="FILE", help="write the compiled train step to FILE (loading it needs the chip)")
+    p.add_argument("--dump", metavar="DIR", help="keep the compiler's optimized program and its buffer assignment "
+                   "(the memory usage report, every buffer's live range) of each step in DIR/train and DIR/eval")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("overrides", nargs="*", metavar="key.path=value", help="config overrides, e.g. train.batch_size=64")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_intermixed_args(argv)
+    parser = _parser()
+    args = parser.parse_intermixed_args(argv)
+    if args.fit and (args.dump or args.save):
+        parser.error("--fit compiles many programs: --dump and --save go with a single compile (drop --fit, set "
+                     "train.batch_size and model.remat to the row you want)")
     target = targets.parse(args.target, args.slices)
     resolved, devices = prepare(args.config, args.overrides, target, args.layout)
     if args.fit:
         table = fit.search(resolved, devices, target, args.config, args.overrides)
         print(json.dumps(table.to_json(), indent=1) if args.json else fit.render(table))
         return OK_EXIT if table.any_fits else FAILED_EXIT
-    result = compile_run(resolved, devices, target, args.config, keep=args.save is not None)
+    result = compile_run(resolved, devices, target, args.config, keep=args.save is not None, dump=args.dump)
     if args.save:
         render.save(result, args.save, args.config, args.overrides)
     print(json.dumps(result.to_json(), indent=1) if args.json else render.text(result))

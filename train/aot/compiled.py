@@ -10,6 +10,7 @@ call's memory per chip (the compiler's analysis), kernels per layer, collectives
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from typing import Any
 
@@ -99,8 +100,10 @@ def prepare(config_path: str, overrides: list[str], target: targets.Target, layo
 
 
 def compile_run(resolved: shapes.Resolved, devices: list[Any], target: targets.Target, config_path: str = "",
-                calls: tuple[str, ...] = ("train", "eval"), keep: bool = False) -> Result:
-    """Compile the steps of `resolved` on `devices` for `target` (the command but printing)."""
+                calls: tuple[str, ...] = ("train", "eval"), keep: bool = False, dump: str | None = None) -> Result:
+    """Compile the steps of `resolved` on `devices` for `target` (the command but printing); `dump`: a
+    directory to keep the compiler's optimized program and buffer assignment of each step in (DUMP/train,
+    DUMP/eval)."""
     import jax
 
     from train.devices.mesh import logical_rules, make_mesh
@@ -120,7 +123,7 @@ def compile_run(resolved: shapes.Resolved, devices: list[Any], target: targets.T
         start = time.perf_counter()
         with programs.name_stacks():
             lowered = (steps.train if call == "train" else steps.eval).trace(*args).lower()
-        with programs.memory_report() as report:
+        with programs.memory_report(None if dump is None else os.path.join(dump, call)) as report:
             try:
                 executable = lowered.compile(compiler_options=report.options)
             except Exception as err:  # the compiler's refusal is the answer, in one line

@@ -25,6 +25,7 @@ from pathlib import Path
 import jax
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
+REDUCE_SCATTER_FUSION = "all-reduce-scatter"
 
 # What each attention kernel leaves in a program (jaxblock/attention/dispatch.py names the kernels), by
 # custom-call target; None for kernels that are plain XLA operations.
@@ -127,12 +128,16 @@ def collectives(hlo: str) -> dict[str, int]:
     shard_map over an axis it does not split leaves) it is no communication and does not count."""
     seen: set[tuple[str, str]] = set()
     counts = dict.fromkeys(COLLECTIVES, 0)
-    for name, op, text in instructions(hlo):
-        kind = op.removesuffix("-start")
+    for ins in parse(hlo):
+        kind, text = ins.op.removesuffix("-start"), ins.text
         if kind not in counts or _single_device_groups(text):
             continue
         channel = re.search(r"channel_id=(\d+)", text)
-        key = (kind, channel[1] if channel else name)
+        key = (kind, channel[1] if channel else ins.name)
+        if kind == "all-reduce" and ins.computation.startswith(REDUCE_SCATTER_FUSION):
+            # The TPU compiler writes a reduce-scatter as an all-reduce inside a computation of this name whose
+            # result is the caller's shard (each such computation its own, their channel ids alike).
+            kind, key = "reduce-scatter", ("reduce-scatter", ins.computation)
         if key not in seen:
             seen.add(key)
             counts[kind] += 1
@@ -278,9 +283,13 @@ _REPORT_ROW = re.compile(
 
 
 @contextlib.contextmanager
-def memory_report() -> Iterator[MemoryReport]:
-    """A MemoryReport whose `options` a compile takes (`lowered.compile(compiler_options=...)`); the dump is
-    removed afterwards."""
+def memory_report(keep: str | None = None) -> Iterator[MemoryReport]:
+    """A MemoryReport whose `options` a compile takes (`lowered.compile(compiler_options=...)`). The dump is
+    removed afterwards, unless `keep` names the directory to write it to (`compile --dump`)."""
+    if keep is not None:
+        Path(keep).mkdir(parents=True, exist_ok=True)
+        yield MemoryReport(keep)
+        return
     directory = tempfile.mkdtemp(prefix="jaxblock-compile-")
     try:
         yield MemoryReport(directory)

@@ -28,8 +28,9 @@ def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
     return code, captured.out, captured.err
 
 
-def test_the_tiny_config_fits_a_v5e_8_with_splash_in_every_layer(capsys):
-    code, out, err = run(capsys, "compile", "--config", str(TINY), "--target", "v5e-8", "--json")
+def test_the_tiny_config_fits_a_v5e_8_with_splash_in_every_layer(capsys, tmp_path):
+    code, out, err = run(capsys, "compile", "--config", str(TINY), "--target", "v5e-8", "--json",
+                         "--dump", str(tmp_path / "dump"))
     report = json.loads(out)
     assert code == 0 and report["fits"] and report["ok"] and err == ""
     assert (report["target"], report["chips"], report["hosts"], report["chip"]) == ("v5e-8", 8, 1, "TPU v5 lite")
@@ -44,6 +45,9 @@ def test_the_tiny_config_fits_a_v5e_8_with_splash_in_every_layer(capsys):
     assert report["collectives"]["all-reduce"] > 0  # data parallel: the gradients are summed over the chips
     train, infer = report["calls"]
     assert train["compiled"] and infer["compiled"] and train["seconds"] > 0 and train["flops"] > 0
+    for call in ("train", "eval"):  # --dump keeps the compiler's program and its memory report for each step
+        kept = {p.name.split(".")[-2] for p in (tmp_path / "dump" / call).glob("*.txt")}
+        assert {"after_optimizations", "after_optimizations-memory-usage-report"} <= kept, kept
 
 
 def test_a_state_no_chip_holds_exits_1_with_what_it_needs_and_the_levers(capsys):
@@ -64,6 +68,7 @@ def test_a_state_no_chip_holds_exits_1_with_what_it_needs_and_the_levers(capsys)
     (["--target", "v5e-8", "--slices", "0"], "--slices 0"),
     (["--target", "v5e-8", "--layout", "dp+fsdp+tp", "train.batch_size=6"], "does not split over"),
     (["--target", "v5e-8", "optim.lrr=1"], "did you mean 'optim.lr'"),
+    (["--target", "v5e-8", "--fit", "--dump", "d"], "--dump and --save go with a single compile"),
 ])
 def test_bad_input_is_one_line_and_exit_2(capsys, args, says):
     code, out, err = run(capsys, "compile", "--config", str(TINY), *args)
@@ -208,3 +213,23 @@ def test_a_train_command_in_a_venv_with_libtpu_prints_no_libtpu_warnings(tmp_pat
     proc = subprocess.run([sys.executable, "-m", "train", "schema"], cwd=ROOT, capture_output=True, text=True,
                           env={k: v for k, v in __import__("os").environ.items() if k != "JAX_PLATFORMS"}, timeout=300)
     assert proc.returncode == 0 and proc.stderr == ""
+
+
+def test_a_tpu_reduce_scatter_counts_as_one_each_though_the_compiler_writes_it_as_an_all_reduce():
+    """libtpu writes each reduce-scatter as an all-reduce inside an `all-reduce-scatter.N` computation, every such
+    computation with the same channel id; a gradient summed whole is a plain all-reduce."""
+    from train.aot.programs import collectives
+
+    def scatter(n: int) -> str:
+        return (f"%all-reduce-scatter.{n} (input_0: bf16[768,3072]) -> bf16[96,3072] {{\n"
+                f"  %input_0 = bf16[768,3072]{{1,0}} parameter(0)\n"
+                f"  %all-reduce.{n} = bf16[768,3072]{{1,0}} all-reduce(%input_0), channel_id=1, "
+                "replica_groups={{0,1,2,3,4,5,6,7}}, use_global_device_ids=true, to_apply=%add\n"
+                f"  ROOT %slice.{n} = bf16[96,3072]{{1,0}} slice(%all-reduce.{n}), slice={{[0:96], [0:3072]}}\n}}\n")
+
+    hlo = (scatter(1) + scatter(2) + "ENTRY %main (p: f32[768]) -> f32[768] {\n"
+           "  %p = f32[768]{0} parameter(0)\n"
+           "  ROOT %all-reduce.9 = f32[768]{0} all-reduce(%p), channel_id=7, replica_groups={{0,1,2,3,4,5,6,7}}, "
+           "use_global_device_ids=true, to_apply=%add\n}\n")
+    counts = collectives(hlo)
+    assert (counts["reduce-scatter"], counts["all-reduce"]) == (2, 1), counts
