@@ -155,10 +155,18 @@ def ours_row(config: str, overrides: list[str], devices: list[Any], target: Any,
                m.get("temporaries", 0), m.get("total", 0), call.fits(result.usable, target.platform), call.seconds)
 
 
-def largest(probe: Any, start: int) -> int:
-    from train.aot.fit import _largest
+def largest(probe: Any, first: Row, usable: int) -> int:
+    """The largest per-chip batch that fits (train/aot/fit.py's search), starting from the row already
+    compiled; `probe(n)` compiles the row at n per chip."""
+    from train.aot.fit import Probe, _largest
 
-    return _largest(lambda n: probe(n), start)
+    rows = {first.per_chip: first}
+
+    def one(n: int) -> Probe:
+        row = rows[n] if n in rows else rows.setdefault(n, probe(n))
+        return Probe(n, row.fits, row.peak or None, None, row.seconds)
+
+    return _largest(one, first.per_chip, lambda: usable)
 
 
 def render(rows: list[Row], target: str, chip: str, usable: int, length: int) -> str:
@@ -192,6 +200,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--fit", action="store_true", help="also the largest per-chip batch that fits (slow: one compile a probe)",
     )
+    p.add_argument("--no-dots", action="store_true",
+                   help="with remat, ours with model.remat=full only (default: also dots)")
     p.add_argument("--own-layout-only", action="store_true",
                    help="ours in the config's layout only (default: also in the other of data parallel and FSDP)")
     p.add_argument("--peer-dir", type=Path, default=PEER_DIR, help=f"where transformers 4.46.3 is (default {PEER_DIR})")
@@ -228,20 +238,22 @@ def main(argv: list[str] | None = None) -> int:
     layouts = (None, "dp" if own.get("fsdp", 1) > 1 or own.get("tensor", 1) > 1 else "fsdp")
     layouts = layouts[:1] if args.own_layout_only else layouts
     rows = []
-    for remat, ours_remat in ((False, ("none",)), (True, ("full", "dots"))):
+    usable = targets.usable_bytes(target, devices[0])
+    ours_policies = ("full",) if args.no_dots else ("full", "dots")
+    for remat, ours_remat in ((False, ("none",)), (True, ours_policies)):
         rows.append(peer_row(transformers, devices, target, args.per_chip, args.length, remat))
         if args.fit:
-            rows[-1].largest = largest(lambda n, r=remat: peer_row(transformers, devices, target, n, args.length,
-                                                                    r).fits, args.per_chip)
+            rows[-1].largest = largest(lambda n, r=remat: peer_row(transformers, devices, target, n, args.length, r),
+                                       rows[-1], usable)
+        print(rows[-1], file=sys.stderr, flush=True)
         for layout in layouts:
             for policy in ours_remat:
                 row = ours_row(args.config, overrides, devices, target, layout, args.per_chip, policy)
                 if args.fit:
                     row.largest = largest(lambda n, lay=layout, pol=policy: ours_row(
-                        args.config, overrides, devices, target, lay, n, pol).fits, args.per_chip)
+                        args.config, overrides, devices, target, lay, n, pol), row, usable)
                 rows.append(row)
                 print(rows[-1], file=sys.stderr, flush=True)
-    usable = targets.usable_bytes(target, devices[0])
     text = render(rows, target.name, devices[0].device_kind, usable, args.length)
     print(text)
     if args.record:
