@@ -12,10 +12,9 @@ import chex
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import optax
 
 from jaxblock.config import EncoderConfig
-from jaxblock.mlm import MaskedLM, select_positions
+from jaxblock.mlm import MaskedLM, cross_entropy, select_positions
 from train.config import STREAMED_SOURCES, Config, ConfigError, config_from_dict
 from train.data.batches import BatchSource, StreamBatches
 from train.data.pretrain import CorpusData, load_corpus
@@ -106,7 +105,7 @@ class MaskedLMTask:
             logits, targets = outputs, batch["mlm_targets"]
             weights = (batch["mlm_weights"] > 0) & batch["valid_tokens"]
         chex.assert_rank(logits, 3)
-        losses = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+        losses = cross_entropy(logits, targets)
         # where, not multiply: a filler slot's non-finite loss must not reach the sum (0 * NaN = NaN).
         return {"loss_sum": jnp.sum(jnp.where(weights, losses, 0.0)),
                 "correct": jnp.sum(jnp.where(weights, jnp.argmax(logits, -1) == targets, False)),
