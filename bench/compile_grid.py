@@ -3,6 +3,7 @@
     python -m bench.compile_grid                                    # every config, the six targets, every layout
     python -m bench.compile_grid --configs bert_base_mlm_l128 --targets v5e-8,h100-8 --layouts dp,fsdp
     python -m bench.compile_grid --configs tiny --targets v5e-256 train.batch_size=256   # key=value: every cell
+    python -m bench.compile_grid --layouts all --targets v5e-8 --layers 3     # each config cut to its first 3 layers
 
 Each cell is one `python -m train compile --json` process (the chip's own compiler on this host, no chip):
 compiled or not, the peak memory per chip against the chip's usable memory, fits, the kernel per layer and
@@ -10,6 +11,11 @@ whether the compiled program holds it, the collectives, the compile time. TPU ta
 interpreter (libtpu: the `[tpu]` extra); GPU targets in the GPU compiler's venv (`--gpu-python`, made by
 bench/gpu_compiler_venv.sh). The table goes to bench/records/compile-grid-<date>.md (or --out). Exit codes:
 0 every cell compiled and fits with its kernels, 1 some did not, 2 bad usage (one line).
+
+`--layers N` compiles each config with its first N layers (`model.num_layers=N` and each per-layer list of
+`model.layers` cut to its first N entries): every layer kind, kernel and layout of the full model, at a
+fraction of the compile time (a 12-layer BERT-base train step is minutes a cell; the deep configs' memory per
+chip is in their headers, from `python -m train compile` at full depth).
 """
 
 from __future__ import annotations
@@ -24,6 +30,9 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+import yaml
 
 from bench.record_files import free_name
 
@@ -66,6 +75,20 @@ def run_cell(
     if report is not None and proc.returncode == 1:
         problem = "does not fit" if not report["fits"] else "a promised kernel is missing"
     return Cell(config.stem, target, layout, proc.returncode, report, problem, seconds)
+
+
+def depth_overrides(config: Path, layers: int) -> tuple[str, ...]:
+    """The overrides that cut `config` to its first `layers` layers: none when it has no more than that, or when
+    its depth is not in the file (a pretrained encoder's comes from its checkpoint)."""
+    data: Any = yaml.safe_load(config.read_text()) or {}
+    model = data.get("model") or {}
+    if int(model.get("num_layers", 0)) <= layers:
+        return ()
+    cut = [f"model.num_layers={layers}"]
+    for key, value in (model.get("layers") or {}).items():
+        if isinstance(value, list):
+            cut.append(f"model.layers.{key}={json.dumps(value[:layers])}")
+    return tuple(cut)
 
 
 def _gib(n: float) -> str:
@@ -131,6 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--targets", default=",".join(TARGETS), help=f"comma-separated (default {','.join(TARGETS)})")
     p.add_argument("--layouts", default="config", help="comma-separated layouts, or 'all' (default: each config's own)")
     p.add_argument("--gpu-python", default=str(GPU_PYTHON), help="the GPU compiler venv's python")
+    p.add_argument("--layers", type=int, default=0, metavar="N",
+                   help="compile each config with its first N layers only (default: every layer)")
     p.add_argument("--timeout", type=int, default=1800, help="seconds per cell (default 1800)")
     p.add_argument("--out", default="", help="Markdown file, or - (default bench/records/compile-grid-<date>.md)")
     p.add_argument("overrides", nargs="*", help="key=value for every cell (e.g. train.batch_size=256 for v5e-256)")
@@ -145,6 +170,10 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         print(f"python -m bench.compile_grid: unknown config or layout {unknown[0]!r}", file=sys.stderr)
         return 2
+    if args.layers < 0:
+        print(f"python -m bench.compile_grid: --layers {args.layers}: give a depth of at least 1 (0: every layer)",
+              file=sys.stderr)
+        return 2
     targets = [t for t in args.targets.split(",") if t]
     gpu = [t for t in targets if t.startswith(("h100", "h200", "a100", "b200"))]
     if gpu and not Path(args.gpu_python).exists():
@@ -156,10 +185,12 @@ def main(argv: list[str] | None = None) -> int:
         for target in targets:
             for layout in layouts:
                 python = args.gpu_python if target in gpu else sys.executable
-                cell = run_cell(every[name], target, layout, python, args.timeout, tuple(args.overrides))
+                cut = depth_overrides(every[name], args.layers) if args.layers else ()
+                cell = run_cell(every[name], target, layout, python, args.timeout, cut + tuple(args.overrides))
                 print(row(cell), file=sys.stderr, flush=True)
                 cells.append(cell)
-    text = markdown(cells, time.perf_counter() - start, tuple(args.overrides))
+    shown = ((f"--layers {args.layers}",) if args.layers else ()) + tuple(args.overrides)
+    text = markdown(cells, time.perf_counter() - start, shown)
     out = args.out or str(free_name(f"compile-grid-{datetime.date.today().isoformat()}"))
     if out == "-":
         print(text)

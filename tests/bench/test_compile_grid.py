@@ -43,3 +43,23 @@ def test_a_cell_runs_train_compile_with_its_layout_and_overrides_and_makes_one_r
 def test_an_unknown_config_is_one_line_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert compile_grid.main(["--configs", "nope"]) == 2
     assert "unknown config or layout 'nope'" in capsys.readouterr().err
+
+
+def test_layers_cuts_the_depth_and_every_per_layer_list_and_the_config_still_loads() -> None:
+    from train.config import load_config
+
+    configs = Path(__file__).resolve().parents[2] / "configs"
+    cut = compile_grid.depth_overrides(configs / "modernbert_long.yaml", 3)
+    assert cut[0] == "model.num_layers=3"
+    assert "model.layers.window=[null, 64, 64]" in cut
+    config = load_config(str(configs / "modernbert_long.yaml"), list(cut))
+    assert config.model.num_layers == 3 and config.model.layers.window == (None, 64, 64)
+    assert config.model.layers.rope_base is not None and len(config.model.layers.rope_base) == 3
+    # No deeper than asked, or depth not in the file (a pretrained encoder's comes from its checkpoint): unchanged.
+    assert compile_grid.depth_overrides(configs / "sentiment.yaml", 3) == ()
+    assert compile_grid.depth_overrides(configs / "sentiment_pretrained_accel.yaml", 1) == ()
+
+
+def test_layers_below_one_is_one_line_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert compile_grid.main(["--layers", "-1"]) == 2
+    assert "--layers -1: give a depth of at least 1" in capsys.readouterr().err
