@@ -29,7 +29,8 @@ class Compiled:
     compiled: bool
     error: str | None
     seconds: float
-    memory: dict[str, int]  # bytes per chip: arguments, outputs, aliases, temporaries, generated_code, total
+    memory: dict[str, int]  # bytes per chip: arguments, outputs, aliases, temporaries, generated_code, total,
+    # and live_at_peak where the compiler's live ranges give it
     layers: list[LayerResult]
     collectives: dict[str, int]
     flops: float | None
@@ -135,12 +136,13 @@ def compile_run(resolved: shapes.Resolved, devices: list[Any], target: targets.T
                 results.append(Compiled(call, text, False, one_line_error(err), seconds, memory, layers, {}, None,
                                         report.largest()))
                 continue
-            largest = report.largest()
+            largest, live = report.largest(), report.live_at_peak()
         seconds = time.perf_counter() - start
         hlo = executable.as_text() or ""
         with kernel_context(mesh, rules, strategy, target.platform):
             layers = check_layers(config, call, batch["tokens"].shape[1], "segment_ids" in batch, hlo)
-        results.append(Compiled(call, text, True, None, seconds, _memory(executable), layers,
+        memory = _memory(executable) | ({"live_at_peak": live} if live is not None else {})
+        results.append(Compiled(call, text, True, None, seconds, memory, layers,
                                 programs.collectives(hlo), _flops(executable), largest,
                                 executable=executable if keep else None))
     usable = targets.usable_bytes(target, devices[0])

@@ -8,13 +8,15 @@ compiler gives its figure also for a program it refuses, so after two probes the
 crosses the usable memory, then checks that batch and the next one: the answer is exact, usually in 3-5
 compiles where doubling and bisecting took ~10 (a BERT-base step compiles in minutes on a CPU host). Where the
 line misleads it, it bisects the bracket it has. The table gives, per policy, the largest per-chip batch, its
-global batch, its peak memory and FLOPs per chip where the compiler counts them.
+global batch, its peak memory and FLOPs per chip where the compiler counts them. Each probe prints one line on
+stderr as it ends.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 from typing import Any
 
 from train.aot import shapes, targets
@@ -86,6 +88,10 @@ def search(resolved: shapes.Resolved, devices: list[Any], target: targets.Target
                 total = call.memory.get("total")
                 probes[per_chip] = Probe(per_chip, call.fits(usable, target.platform), total, call.flops,
                                          call.seconds)
+                peak = f"peak {size(total)}" if total else "refused"
+                verdict = "fits" if probes[per_chip].fits else "does not fit"
+                print(f"fit: remat {policy}, {per_chip} a chip: {peak}, {verdict} (compiled in {call.seconds:.0f}s)",
+                      file=sys.stderr, flush=True)  # a probe is minutes for a big model: show each
             return probes[per_chip]
 
         best = _largest(probe, start, lambda: usable)

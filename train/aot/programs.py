@@ -257,6 +257,17 @@ class MemoryReport:
         # One compile's debug options: the dump holds the optimized module and its buffer assignment, no pass.
         self.options = {"xla_dump_to": directory, "xla_dump_hlo_pass_re": "^$"}
 
+    def live_at_peak(self) -> int | None:
+        """The bytes live at the program's peak by the compiler's own live ranges (the `*live-range.txt` of
+        its buffer assignment: every value live at that point, the arguments in use included): the floor the
+        step's schedule holds, where the temporaries figure is the heap, which also holds the gaps of its
+        packing. None where the compiler wrote no live ranges."""
+        for path in sorted(Path(self.directory).glob("*live-range.txt"), reverse=True):
+            m = _PEAK_BREAKDOWN.search(path.read_text())
+            if m is not None:
+                return int(m.group(1).replace(" ", ""))
+        return None
+
     def largest(self, count: int = 3) -> list[str]:
         """'477.0 MiB: f32[32,125,30523], bf16[32,512,3,12,64]' for the `count` largest allocations."""
         reports = sorted(Path(self.directory).glob("*memory-usage-report.txt"))
@@ -274,6 +285,8 @@ class MemoryReport:
                 break
         return out
 
+
+_PEAK_BREAKDOWN = re.compile(r"Stack trace breakdown for peak usage:\s*([\d ]+)\s*bytes")
 
 _REPORT_ROW = re.compile(
     r"^\s*[\d.]+[KMGT]?i?B\(\s*\d+%\);\s*"  # running total and its share

@@ -40,6 +40,9 @@ def text(result: Any) -> str:
                   f"temporaries {size(m['temporaries'])}",
                   f"  peak {size(m['total'])} of {size(result.usable)} usable: "
                   f"{'fits' if fits else 'DOES NOT FIT'}{over}"]
+        if "live_at_peak" in m:
+            lines.append(f"  live at once at most (the compiler's live ranges, arguments in use included): "
+                         f"{size(m['live_at_peak'])}")
         if call.largest:
             lines.append(f"  largest buffers (the compiler's memory report): {'; '.join(call.largest)}")
         lines += layer_lines(call.layers, _status)

@@ -38,6 +38,10 @@ def test_the_tiny_config_fits_a_v5e_8_with_splash_in_every_layer(capsys, tmp_pat
     assert per_chip["usable"] == int(15.75 * 2**30)  # the compiler's own limit for a v5e
     assert per_chip["arguments"] > 0 and per_chip["temporaries"] > 0 and 0 < per_chip["total"] < per_chip["usable"]
     assert 0 <= per_chip["optimizer_state"] - 2 * per_chip["parameters"] < 1024  # Adam's two moments, and counters
+    # The compiler's live ranges: at their peak the parameters and Adam's moments in use are live, and no more
+    # than the heap it reserves.
+    state = per_chip["parameters"] + per_chip["optimizer_state"]
+    assert state < per_chip["live_at_peak"] <= per_chip["total"], per_chip
     assert [x["kernel"] for x in report["layers"]] == ["splash", "splash"]
     for layer in report["layers"]:
         assert layer["ok"] and any(name.startswith("splash_mqa_fwd") for name in layer["found"])
@@ -88,12 +92,15 @@ def test_a_missing_compiler_names_its_install_in_one_line_with_exit_2(capsys, mo
 
 @pytest.mark.slow
 def test_fit_finds_the_largest_per_chip_batch_for_each_remat_policy(capsys):
-    code, out, _ = run(capsys, "compile", "--config", str(TINY), "--target", "v5e-8", "--fit", "--json",
-                       "model.block.ffn_dim=2000000")
+    code, out, err = run(capsys, "compile", "--config", str(TINY), "--target", "v5e-8", "--fit", "--json",
+                         "model.block.ffn_dim=2000000")
     table = json.loads(out)
     assert code == 0 and table["any_fits"]
     rows = {row["remat"]: row for row in table["rows"]}
     assert set(rows) == {"none", "dots", "full"}
+    # One progress line on stderr per probe, as it ends.
+    assert len(err.strip().splitlines()) == sum(len(row["probes"]) for row in rows.values())
+    assert all(line.startswith("fit: remat ") for line in err.strip().splitlines()), err
     for row in rows.values():
         fits = {p["per_chip"]: p["fits"] for p in row["probes"]}
         assert fits[row["largest"]] and not fits.get(row["largest"] + 1, False)
