@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 from jaxblock.config import BlockConfig
 from jaxblock.initializers import Weights, bias_init, kernel_init
-from jaxblock.kernels import projection
+from jaxblock.kernels import projection, recompute
 from jaxblock.kernels.dropout import Dropout
 
 _SQRT_HALF = 0.7071067811865476
@@ -70,14 +70,22 @@ class FeedForward(nn.Module):
         dt = cfg.compute_dtype
         x = x.astype(dt)
         act = _ACTIVATIONS[cfg.activation]
-        h = self._dense("NLD,DF->NLF", x, *self.linear1())  # [N, L, F]
-        if cfg.is_glu:
-            h = act(self._dense("NLD,DF->NLF", x, *self.gate())) * h
-        else:
-            h = act(h)
-        h = nn.with_logical_constraint(h, ("batch", "length", "act_mlp"))
-        h = self.hidden_dropout(h, deterministic=not train)
-        return self._dense("NLF,FD->NLD", h, *self.linear2())  # [N, L, D]
+        up = self._dense("NLD,DF->NLF", x, *self.linear1())  # [N, L, F]
+        gate = self._dense("NLD,DF->NLF", x, *self.gate()) if cfg.is_glu else None
+        # The hidden layer's dropout draws its keep mask here, as calling the Dropout module on h would.
+        keep = self.hidden_dropout.keep(up.shape) if train and cfg.ffn_dropout > 0.0 else None
+
+        def out(up: jax.Array, gate: jax.Array | None, keep: jax.Array | None, w2: jax.Array,
+                b2: jax.Array | None) -> jax.Array:
+            h = act(up) if gate is None else act(gate) * up
+            h = nn.with_logical_constraint(h, ("batch", "length", "act_mlp"))
+            if keep is not None:
+                h = jax.lax.select(keep, h / (1.0 - cfg.ffn_dropout), jnp.zeros_like(h))
+            return self._dense("NLF,FD->NLD", h, w2, b2)
+
+        # Off the CPU its backward re-runs act from the pre-activation (jaxblock/kernels/recompute.py) instead of
+        # keeping act's intermediates and the hidden layer [N, L, F].
+        return recompute.recomputed(out, cfg.gradients)(up, gate, keep, *self.linear2())
 
     def _dense(self, spec: str, x: jax.Array, kernel: jax.Array, bias: jax.Array | None) -> jax.Array:
         dt = self.config.compute_dtype

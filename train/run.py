@@ -187,7 +187,7 @@ def attention_record(plan: Plan) -> dict[str, Any]:
     `layer_kernels`), chosen under the runner's mesh. A choice may depend on the length (the chunked kernel
     on a CPU, a context axis), so each call lists groups of the lengths its batches take with the same
     choices, and the kernels outside attention (jaxblock/kernels/): {"platform": "cpu", "dropout_mask": {"kernel":
-    ..., "reason": ...}, "projection": {...}, "layer_norm": {...},
+    ..., "reason": ...}, "projection": {...}, "layer_norm": {...}, "recompute": {...},
     "train": [{"lengths": [64], "layers": [{"layer": 0, "kernel": ..., "reason": ...}, ...]}], "eval": [...]}."""
     from jaxblock.attention.dispatch import layer_kernels
     from jaxblock.attention.platform import target_platform
@@ -199,13 +199,14 @@ def attention_record(plan: Plan) -> dict[str, Any]:
         "train": ([cfg.data.buckets[-1]], True) if cfg.data.packing or streamed else (cfg.data.buckets, False),
         "eval": (cfg.data.buckets, streamed),
     }
-    from jaxblock.kernels import layer_norm, projection
+    from jaxblock.kernels import layer_norm, projection, recompute
     from jaxblock.kernels.dropout import mask_kernel
 
     gradients = cfg.model.block.gradients
     record: dict[str, Any] = {"platform": target_platform()}
     for name, (kernel, reason) in (("dropout_mask", mask_kernel()), ("projection", projection.kernel(gradients)),
-                                   ("layer_norm", layer_norm.kernel(gradients))):
+                                   ("layer_norm", layer_norm.kernel(gradients)),
+                                   ("recompute", recompute.kernel(gradients))):
         record[name] = {"kernel": kernel, "reason": reason}
     kernel_context = getattr(plan.runner, "kernel_context", contextlib.nullcontext)
     with kernel_context():

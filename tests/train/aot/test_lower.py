@@ -168,6 +168,7 @@ def test_run_json_records_each_layers_kernel_for_the_train_and_eval_calls(refere
     assert record["dropout_mask"]["kernel"] == "threefry_unrolled" and "CPU" in record["dropout_mask"]["reason"]
     assert record["projection"]["kernel"] == "smaller_operand_transposed" and "CPU" in record["projection"]["reason"]
     assert record["layer_norm"]["kernel"] == "written_backward" and "CPU" in record["layer_norm"]["reason"]
+    assert record["recompute"]["kernel"] == "saved" and "CPU" in record["recompute"]["reason"]
     for call in ("train", "eval"):
         (group,) = record[call]  # tiny: one bucket length, one choice for it
         assert group["lengths"] == [16]

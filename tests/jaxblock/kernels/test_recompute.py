@@ -1,0 +1,105 @@
+"""jaxblock/kernels/recompute.py: off the CPU the norms and the FFN's activation keep only their inputs for the
+backward (counted with jax.ad_checkpoint.print_saved_residuals), with the gradients of plain autodiff; on a CPU
+and with gradients=plain, autodiff's own residuals."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxblock.attention.platform import for_platform
+from jaxblock.config import BlockConfig
+from jaxblock.ffn import FeedForward
+from jaxblock.kernels import recompute
+from jaxblock.norms import make_norm
+
+N, L, D, F = 2, 8, 16, 64
+
+
+def residuals(fn, *args) -> list[str]:
+    """The shapes ('f32[2,8,16]') of what the backward of fn(*args) keeps, from print_saved_residuals."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        jax.ad_checkpoint.print_saved_residuals(fn, *args)
+    return [m.group(0) for m in re.finditer(r"^\w+\[[\d,]*\]", out.getvalue(), re.M)]
+
+
+def block_config(**kw) -> BlockConfig:
+    return BlockConfig(model_dim=D, num_heads=2, ffn_dim=F, dtype="bfloat16", **kw)
+
+
+def test_the_choice_by_platform_and_config() -> None:
+    for platform in ("gpu", "tpu"):
+        with for_platform(platform):
+            assert recompute.kernel()[0] == "recomputed"
+            assert recompute.kernel("plain")[0] == "saved"
+    with for_platform("cpu"):
+        assert recompute.kernel() == ("saved", recompute.kernel()[1]) and "CPU" in recompute.kernel()[1]
+
+
+@pytest.mark.parametrize("norm_type", ["layernorm", "rmsnorm"])
+def test_a_norm_off_the_cpu_keeps_its_bfloat16_input_not_float32_copies(norm_type: str) -> None:
+    x = jax.random.normal(jax.random.key(0), (N, L, D), jnp.bfloat16)
+
+    def kept(platform: str, gradients: str = "auto") -> list[str]:
+        norm = make_norm(block_config(norm_type=norm_type, gradients=gradients))
+        with for_platform(platform):
+            params = norm.init(jax.random.key(1), x)
+            return residuals(lambda p, x: jnp.sum(norm.apply(p, x).astype(jnp.float32)), params, x)
+
+    big = f"[{N},{L},{D}]"
+    assert f"bf16{big}" in kept("tpu") and f"f32{big}" not in kept("tpu")
+    assert f"f32{big}" not in kept("gpu")
+    assert f"f32{big}" in kept("cpu") and f"f32{big}" in kept("tpu", "plain")
+
+
+@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
+@pytest.mark.parametrize("ffn_dropout", [0.0, 0.25])
+def test_the_ffn_off_the_cpu_keeps_its_pre_activations_only(activation: str, ffn_dropout: float) -> None:
+    x = jax.random.normal(jax.random.key(0), (N, L, D), jnp.bfloat16)
+    ffn = FeedForward(block_config(activation=activation, ffn_dropout=ffn_dropout))
+    params = ffn.init(jax.random.key(1), x)
+
+    def kept(platform: str) -> list[str]:
+        def loss(p, x):
+            y = ffn.apply(p, x, train=True, rngs={"dropout": jax.random.key(2)})
+            return jnp.sum(y.astype(jnp.float32))
+
+        with for_platform(platform):
+            return residuals(loss, params, x)
+
+    hidden = f"bf16[{N},{L},{F}]"
+    # The pre-activation, and the gate's with a GLU; the keep mask is bool.
+    assert kept("tpu").count(hidden) == (2 if activation == "swiglu" else 1)
+    assert kept("cpu").count(hidden) > kept("tpu").count(hidden)
+    assert kept("tpu").count(f"bool[{N},{L},{F}]") == (ffn_dropout > 0)
+
+
+@pytest.mark.parametrize("module", ["layernorm", "rmsnorm", "ffn"])
+def test_recomputed_gradients_are_plain_autodiffs(module: str) -> None:
+    x = jax.random.normal(jax.random.key(0), (N, L, D), jnp.float32) * 3 + 1
+    cot = jax.random.normal(jax.random.key(3), (N, L, D), jnp.float32)
+
+    def grads(gradients: str):
+        cfg = BlockConfig(model_dim=D, num_heads=2, ffn_dim=F, gradients=gradients, ffn_dropout=0.25,
+                          norm_type="rmsnorm" if module == "rmsnorm" else "layernorm")
+        layer = FeedForward(cfg) if module == "ffn" else make_norm(cfg)
+        kw = {"train": True} if module == "ffn" else {}
+        params = layer.init(jax.random.key(1), x)
+
+        def loss(p, x):
+            return jnp.sum(layer.apply(p, x, rngs={"dropout": jax.random.key(2)}, **kw) * cot)
+
+        with for_platform("gpu"):
+            return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(params, x)
+
+    (got_v, got_g), (want_v, want_g) = grads("auto"), grads("plain")
+    np.testing.assert_allclose(float(got_v), float(want_v), rtol=1e-6)
+    for got, want in zip(jax.tree.leaves(got_g), jax.tree.leaves(want_g), strict=True):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
