@@ -83,7 +83,7 @@ class FeedForward(nn.Module):
                 h = jax.lax.select(keep, h / (1.0 - cfg.ffn_dropout), jnp.zeros_like(h))
             return self._dense("NLF,FD->NLD", h, w2, b2)
 
-        # Off the CPU its backward re-runs act from the pre-activation (jaxblock/kernels/recompute.py) instead of
+        # On a GPU its backward re-runs act from the pre-activation (jaxblock/kernels/recompute.py) instead of
         # keeping act's intermediates and the hidden layer [N, L, F].
         return recompute.recomputed(out, cfg.gradients)(up, gate, keep, *self.linear2())
 

@@ -34,7 +34,7 @@ class LayerNorm(nn.Module):
             y = layer_norm.standardize(x.astype(jnp.float32), cfg.norm_eps, cfg.gradients)
             return _affine(cfg, y, scale, bias)
 
-        # Off the CPU its backward re-runs it from x (jaxblock/kernels/recompute.py).
+        # On a GPU its backward re-runs it from x (jaxblock/kernels/recompute.py).
         return recompute.recomputed(norm, cfg.gradients)(x, scale, bias)
 
 

@@ -1,6 +1,6 @@
-"""The norms and the FFN's activation, recomputed in the backward pass from their inputs off the CPU.
+"""The norms and the FFN's activation, recomputed in the backward pass from their inputs on a GPU.
 
-    y = recomputed(f, gradients)(x, ...)   # f's value; off the CPU, f's backward re-runs f from (x, ...)
+    y = recomputed(f, gradients)(x, ...)   # f's value; on a GPU, f's backward re-runs f from (x, ...)
 
 Why: JAX's autodiff keeps every intermediate of a formula that its backward reads. For a LayerNorm over a
 bfloat16 x [N, L, D] those are float32: x - mean, its square's inputs, x̂ (three float32 copies of x, six
@@ -14,12 +14,13 @@ backward's passes itself (docs/accelerators.md, "What a layer keeps for its back
 measures it).
 
 Chosen by the platform the step is traced for (jaxblock/attention/platform.py `target_platform`), as the other
-kernels are: off the CPU the recomputation (an accelerator's memory is what limits the batch, and an
-elementwise pass costs little beside the matmuls); on a CPU the saved intermediates as before (host memory is
-plentiful there, and the recomputation would cost CPU time: erf is dear on a CPU). `gradients="plain"` is
-JAX's autodiff of the formulas on every platform. The values are f's on every platform;
-tests/jaxblock/kernels/test_recompute.py holds the gradients to plain autodiff and counts what is kept.
-run.json records the choice and its reason (`kernel`).
+kernels are: on a GPU the recomputation (an elementwise pass costs little beside the matmuls, and the memory is
+what limits the batch). On a TPU autodiff's residuals: the TPU compiler already keeps the same bytes without it,
+and the recomputation's barriers cost an FSDP step 26 more all-reduces of the norms' gradients (BERT-base: 34
+against 8). On a CPU autodiff's residuals as before (host memory is plentiful; erf is dear on a CPU).
+`gradients="plain"` is JAX's autodiff of the formulas on every platform. The values are f's on every platform;
+tests/jaxblock/kernels/test_recompute.py holds the gradients to plain autodiff and counts what is kept. run.json
+records the choice and its reason (`kernel`).
 """
 
 from __future__ import annotations
@@ -39,11 +40,14 @@ def kernel(gradients: Gradients = "auto") -> tuple[str, str]:
     """(kernel, reason) of the norms' and the FFN activation's backward, as run.json records it."""
     if gradients == "plain":
         return "saved", "model.block.gradients=plain: JAX's autodiff of the formulas on every platform"
-    if target_platform() == "cpu":
-        return "saved", "CPU: autodiff keeps the formulas' intermediates (host memory is plentiful; erf is dear)"
-    return "recomputed", ("off the CPU: the norms and the FFN's activation re-run from their inputs in the "
-                          "backward (jax.checkpoint), so a layer keeps x and the pre-activation, not float32 "
-                          "copies and [N, L, F] partial products")
+    platform = target_platform()
+    if platform == "gpu":
+        return "recomputed", ("GPU: the norms and the FFN's activation re-run from their inputs in the backward "
+                              "(jax.checkpoint), so a layer keeps x and the pre-activation, not float32 copies and "
+                              "[N, L, F] partial products")
+    if platform == "tpu":
+        return "saved", "TPU: the compiler fuses the formulas' intermediates into the backward itself"
+    return "saved", "CPU: autodiff keeps the formulas' intermediates (host memory is plentiful; erf is dear)"
 
 
 def recomputed(f: F, gradients: Gradients = "auto") -> F:
