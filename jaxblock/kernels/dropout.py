@@ -109,6 +109,11 @@ def keep_mask(key: jax.Array, p: float, shape: Sequence[int]) -> jax.Array:
     return jax.random.bernoulli(key, p, tuple(shape))
 
 
+def dropped(x: jax.Array, keep: jax.Array, rate: float) -> jax.Array:
+    """x with the keep mask applied: x / (1 - rate) where keep, 0 elsewhere (flax's Dropout, given its mask)."""
+    return lax.select(keep, x / (1.0 - rate), jnp.zeros_like(x))
+
+
 class Dropout(nn.Dropout):
     """flax.linen.Dropout, its keep mask from `keep_mask`: the same rng stream, mask and result."""
 
@@ -126,8 +131,7 @@ class Dropout(nn.Dropout):
         shape = list(inputs.shape)
         for dim in self.broadcast_dims:
             shape[dim] = 1
-        mask = jnp.broadcast_to(keep_mask(rng, keep_prob, shape), inputs.shape)
-        return lax.select(mask, inputs / keep_prob, jnp.zeros_like(inputs))
+        return dropped(inputs, jnp.broadcast_to(keep_mask(rng, keep_prob, shape), inputs.shape), self.rate)
 
     def keep(self, shape: Sequence[int]) -> jax.Array:
         """The keep mask of the given shape from this module's rng stream: for kernels that apply dropout
