@@ -1,20 +1,27 @@
-"""The projections' einsum, y = x W (x [N, L, *I], W [*I, *O]), with its weight gradient written for a CPU.
+"""The projections' einsum, y = x W (x [N, L, *I], W [*I, *O]), with its backward written for the platform.
 
-    y = einsum("NLD,DF->NLF", x, w)                      # jnp.einsum's value; on a CPU, this kernel's backward
+    y = einsum("NLD,DF->NLF", x, w)                      # jnp.einsum's value; on a CPU or a GPU, this kernel's backward
     y = einsum("NLD,DF->NLF", x, w, gradients="plain")   # jnp.einsum itself on every platform
 
-Why: the weight gradient dW = x^T dy is a product over the N·L tokens. XLA's CPU backend hands dots to XNNPACK,
-which takes no transposed operand, so one of x [T, I] and dy [T, O] is first copied transposed, and XLA picks
-which one by its layout rules, not by size: in the FFN's up-projection it copied dy [T, F] rather than the four
-times smaller x [T, D]. Here the backward transposes the smaller of the two, behind an optimization barrier so
-XLA cannot fold the transpose back into the dot, and when dy is the smaller it keeps the small [O, I] result's
+On a CPU. The weight gradient dW = x^T dy is a product over the N·L tokens. XLA's CPU backend hands dots to
+XNNPACK, which takes no transposed operand, so one of x [T, I] and dy [T, O] is first copied transposed, and XLA
+picks which one by its layout rules, not by size: in the FFN's up-projection it copied dy [T, F] rather than the
+four times smaller x [T, D]. Here the backward transposes the smaller of the two, behind an optimization barrier
+so XLA cannot fold the transpose back into the dot, and when dy is the smaller it keeps the small [O, I] result's
 transpose out of the dot too. dx = dy W^T is JAX's own. The values are the same sums in another order (float32
-rounding, ~1e-7 relative); tests/jaxblock/kernels/test_projection.py holds them to the plain einsum.
+rounding, ~1e-7 relative). `python -m bench.e2e` measures what it buys end to end (bench/records/e2e-main-*.md).
 
-Chosen by the platform the step is traced for (jaxblock/attention/platform.py `target_platform`), as the attention
-kernels are: on a CPU this one, elsewhere `jnp.einsum` (an accelerator's compiler chooses its own layouts).
-`python -m bench.e2e` measures what it buys end to end (bench/records/e2e-main-*.md); run.json records the
-choice and its reason (`kernel`).
+On a GPU. dW and dx are JAX's own products, returned through one optimization barrier: the backward of the layer
+below cannot start (it needs dx) before this layer's weight gradients exist. Without it XLA's GPU scheduler put
+the weight-gradient dots of every layer after the last layer's backward, so each layer's [N, L, F] activation
+and gradient stayed live until the end of the step: BERT-base at L 512, 32 rows a chip on h100-8, no remat, held
+the layers' FFN gradients at once (`python -m train compile --dump` shows them in the peak's breakdown). The
+values are JAX's, bit for bit.
+
+On a TPU `jnp.einsum`: the TPU compiler orders the weight gradients itself (docs/accelerators.md, "What a layer
+keeps for its backward"). Chosen by the platform the step is traced for (jaxblock/attention/platform.py
+`target_platform`), as the attention kernels are; tests/jaxblock/kernels/test_projection.py holds both backwards
+to the plain einsum; run.json records the choice and its reason (`kernel`).
 """
 
 from __future__ import annotations
@@ -34,24 +41,32 @@ def kernel(gradients: Gradients = "auto") -> tuple[str, str]:
     """(kernel, reason) of the projections for the platform being traced for, as run.json records it."""
     if gradients == "plain":
         return "einsum", "model.block.gradients=plain: JAX's autodiff of the einsum on every platform"
-    if target_platform() == "cpu":
+    platform = target_platform()
+    if platform == "cpu":
         return "smaller_operand_transposed", (
             "CPU: the weight gradient transposes the smaller of x and dy (XNNPACK takes no transposed operand, "
             "and XLA picks the copy by layout, not size)"
         )
-    return "einsum", "off the CPU: JAX's autodiff of the einsum (the compiler chooses the layouts)"
+    if platform == "gpu":
+        return "weight_gradient_in_layer", (
+            "GPU: each projection's weight gradient is computed with its dx (one optimization barrier), so the "
+            "scheduler cannot hold every layer's activations and gradients for weight gradients at the end"
+        )
+    return "einsum", "TPU: JAX's autodiff of the einsum (the compiler orders the weight gradients itself)"
 
 
 def einsum(spec: str, x: jax.Array, w: jax.Array, *, gradients: Gradients = "auto") -> jax.Array:
     """`jnp.einsum(spec, x, w)` for a projection: x's trailing axes contract with w's leading ones, in order
     ("NLD,DF->NLF", "NLD,DHK->NLHK", "NLHK,HKD->NLD"). Any other spec is jnp.einsum on every platform."""
     contract = _contracted(spec)
-    if contract is None or kernel(gradients)[0] == "einsum":
+    chosen = kernel(gradients)[0]
+    if contract is None or chosen == "einsum":
         return jnp.einsum(spec, x, w)
     lead, inner, outer = x.shape[: x.ndim - contract], x.shape[x.ndim - contract :], w.shape[contract:]
     if inner != w.shape[:contract]:
         raise ValueError(f"einsum {spec!r}: x's last axes {inner} do not match w's first {w.shape[:contract]}")
-    y = _matmul(x.reshape(*lead, math.prod(inner)), w.reshape(math.prod(inner), math.prod(outer)))
+    matmul = _matmul if chosen == "smaller_operand_transposed" else _matmul_in_layer
+    y = matmul(x.reshape(*lead, math.prod(inner)), w.reshape(math.prod(inner), math.prod(outer)))
     return y.reshape(*lead, *outer)
 
 
@@ -96,3 +111,20 @@ def _matmul_bwd(res: tuple[jax.Array, jax.Array], dy: jax.Array) -> tuple[jax.Ar
 
 
 _matmul.defvjp(_matmul_fwd, _matmul_bwd)
+
+
+@jax.custom_vjp
+def _matmul_in_layer(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x [..., I] @ w [I, O], its backward's dx and dW released together (the GPU's kernel)."""
+    return _product(x, w)
+
+
+def _matmul_in_layer_bwd(res: tuple[jax.Array, jax.Array], dy: jax.Array) -> tuple[jax.Array, jax.Array]:
+    x, w = res
+    dx = jnp.einsum("...O,IO->...I", dy, w)
+    dw = jnp.einsum("...I,...O->IO", x, dy)
+    dx, dw = jax.lax.optimization_barrier((dx, dw))
+    return dx.astype(x.dtype), dw.astype(w.dtype)
+
+
+_matmul_in_layer.defvjp(_matmul_fwd, _matmul_in_layer_bwd)
