@@ -48,8 +48,8 @@ class EncoderBlock(nn.Module):
         self.ffn_norm = make_norm(cfg)
         if cfg.ablate != "ffn":
             self.ffn = FeedForward(cfg)
-        self.attn_residual_dropout = Dropout(cfg.residual_dropout)
-        self.ffn_residual_dropout = Dropout(cfg.residual_dropout)
+        self.attn_residual_dropout = Dropout(cfg.residual_dropout, gradients=cfg.gradients)
+        self.ffn_residual_dropout = Dropout(cfg.residual_dropout, gradients=cfg.gradients)
 
     def __call__(
         self,

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jaxblock.config import BlockConfig
 from jaxblock.initializers import Weights, bias_init, kernel_init
 from jaxblock.kernels import projection, recompute
-from jaxblock.kernels.dropout import Dropout, dropped
+from jaxblock.kernels.dropout import Dropout, dropped, keep_mask
 
 _SQRT_HALF = 0.7071067811865476
 
@@ -61,7 +61,7 @@ class FeedForward(nn.Module):
             (f, d), kernel_init(cfg.init, f, 0, 1, ("mlp", "embed")),
             (d,), bias_init(cfg.init, f, ("embed",)), cfg.use_bias, cfg.params_dtype,
         )
-        self.hidden_dropout = Dropout(cfg.ffn_dropout)
+        self.hidden_dropout = Dropout(cfg.ffn_dropout, gradients=cfg.gradients)
 
     def __call__(self, x: jax.Array, *, train: bool = False) -> jax.Array:
         cfg = self.config
@@ -72,20 +72,20 @@ class FeedForward(nn.Module):
         act = _ACTIVATIONS[cfg.activation]
         up = self._dense("NLD,DF->NLF", x, *self.linear1())  # [N, L, F]
         gate = self._dense("NLD,DF->NLF", x, *self.gate()) if cfg.is_glu else None
-        # The hidden layer's dropout draws its keep mask here, as calling the Dropout module on h would.
-        keep = self.hidden_dropout.keep(up.shape) if train and cfg.ffn_dropout > 0.0 else None
+        # The hidden layer's dropout takes its rng here, as calling the Dropout module on h would.
+        rng = self.hidden_dropout.rng() if train and cfg.ffn_dropout > 0.0 else None
 
-        def out(up: jax.Array, gate: jax.Array | None, keep: jax.Array | None, w2: jax.Array,
+        def out(up: jax.Array, gate: jax.Array | None, rng: jax.Array | None, w2: jax.Array,
                 b2: jax.Array | None) -> jax.Array:
             h = act(up) if gate is None else act(gate) * up
             h = nn.with_logical_constraint(h, ("batch", "length", "act_mlp"))
-            if keep is not None:
-                h = dropped(h, keep, cfg.ffn_dropout)
+            if rng is not None:  # the Dropout module's mask: the same rng, probability and shape
+                h = dropped(h, keep_mask(rng, 1.0 - cfg.ffn_dropout, h.shape), cfg.ffn_dropout)
             return self._dense("NLF,FD->NLD", h, w2, b2)
 
-        # On a GPU its backward re-runs act from the pre-activation (jaxblock/kernels/recompute.py) instead of
-        # keeping act's intermediates and the hidden layer [N, L, F].
-        return recompute.recomputed(out, cfg.gradients)(up, gate, keep, *self.linear2())
+        # On a GPU its backward re-runs act and the keep mask from the pre-activation and the rng
+        # (jaxblock/kernels/recompute.py) instead of keeping act's intermediates, the mask and the hidden layer.
+        return recompute.recomputed(out, cfg.gradients)(up, gate, rng, *self.linear2())
 
     def _dense(self, spec: str, x: jax.Array, kernel: jax.Array, bias: jax.Array | None) -> jax.Array:
         dt = self.config.compute_dtype

@@ -160,7 +160,7 @@ class Encoder(nn.Module):
             x = x + table.astype(jnp.float32)[positions + cfg.embedding.position_offset]
         if cfg.embedding.norm:
             x = make_norm(blk.model_copy(update={"model_dim": width}), "embed_norm")(x).astype(jnp.float32)
-        x = Dropout(cfg.embedding.dropout)(x, deterministic=not train)
+        x = Dropout(cfg.embedding.dropout, gradients=blk.gradients)(x, deterministic=not train)
         if width != blk.model_dim:  # E -> D (ELECTRA's embeddings_project)
             x = nn.Dense(
                 blk.model_dim,
@@ -258,7 +258,7 @@ class Classifier(nn.Module):
             if cfg.pooler.norm:
                 f32_block = cfg.block.model_copy(update={"dtype": "float32"})
                 pooled = make_norm(f32_block, "pooler_norm")(pooled)
-            pooled = Dropout(cfg.embedding.dropout)(pooled, deterministic=not train)
+            pooled = Dropout(cfg.embedding.dropout, gradients=cfg.block.gradients)(pooled, deterministic=not train)
         head = nn.Dense(
             cfg.num_classes,
             use_bias=cfg.pooler.pooling != "last",

@@ -72,7 +72,8 @@ class SelfAttention(nn.Module):
             (h, k, d), kernel_init(cfg.init, d, (0, 1), 2, ("heads", "head_dim", "embed")),
             (d,), bias_init(cfg.init, d, ("embed",), zero=True), cfg.has_out_bias,
         )
-        self.weights_dropout = Dropout(att.dropout)  # `keep` gives the dense kernel the unfused path's mask
+        # `keep` gives the dense kernel the unfused path's mask
+        self.weights_dropout = Dropout(att.dropout, gradients=cfg.gradients)
 
     def __call__(
         self,

@@ -32,6 +32,8 @@ import numpy as np
 from jax import lax
 
 from jaxblock.attention.platform import target_platform
+from jaxblock.kernels import recompute
+from jaxblock.kernels.projection import Gradients
 
 _ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
 _PARITY = np.uint32(0x1BD11BDA)
@@ -115,7 +117,11 @@ def dropped(x: jax.Array, keep: jax.Array, rate: float) -> jax.Array:
 
 
 class Dropout(nn.Dropout):
-    """flax.linen.Dropout, its keep mask from `keep_mask`: the same rng stream, mask and result."""
+    """flax.linen.Dropout, its keep mask from `keep_mask`: the same rng stream, mask and result. Where
+    jaxblock/kernels/recompute.py recomputes (a GPU), the backward redraws the mask from the rng instead of
+    keeping a bool per element; `gradients="plain"` keeps it there too."""
+
+    gradients: Gradients = "auto"
 
     @nn.compact
     def __call__(self, inputs: jax.Array, deterministic: bool | None = None,
@@ -131,7 +137,15 @@ class Dropout(nn.Dropout):
         shape = list(inputs.shape)
         for dim in self.broadcast_dims:
             shape[dim] = 1
-        return dropped(inputs, jnp.broadcast_to(keep_mask(rng, keep_prob, shape), inputs.shape), self.rate)
+
+        def drop(x: jax.Array, rng: jax.Array) -> jax.Array:
+            return dropped(x, jnp.broadcast_to(keep_mask(rng, keep_prob, shape), x.shape), self.rate)
+
+        return recompute.recomputed(drop, self.gradients)(inputs, rng)
+
+    def rng(self) -> jax.Array:
+        """The key this module's call would draw its mask from (for a kernel that draws the mask itself)."""
+        return self.make_rng(self.rng_collection)
 
     def keep(self, shape: Sequence[int]) -> jax.Array:
         """The keep mask of the given shape from this module's rng stream: for kernels that apply dropout

@@ -1,4 +1,4 @@
-"""The norms and the FFN's activation, recomputed in the backward pass from their inputs on a GPU.
+"""The norms, the FFN's activation and dropout, recomputed in the backward pass from their inputs on a GPU.
 
     y = recomputed(f, gradients)(x, ...)   # f's value; on a GPU, f's backward re-runs f from (x, ...)
 
@@ -7,11 +7,12 @@ bfloat16 x [N, L, D] those are float32: x - mean, its square's inputs, x̂ (thre
 times x's bytes); for the FFN's exact GELU the erf's derivative and two partial products [N, L, F], and the
 activation itself for linear2's weight gradient. The backward needs none of them that it cannot get from
 the inputs in one elementwise pass: the norm's x (its scale and bias are parameters) and the FFN's
-pre-activation [N, L, F]. Under `jax.checkpoint` the step keeps only those, and recomputes the rest where the
-backward reads it. XLA's GPU compiler otherwise keeps them (BERT-base at L 512, 32 rows a chip on h100-8, no
-remat: 6.59 GiB of temporaries with autodiff's residuals, 6.18 with these); the TPU compiler fuses them into the
-backward's passes itself (docs/accelerators.md, "What a layer keeps for its backward"; `python -m train compile`
-measures it).
+pre-activation [N, L, F]. Dropout's backward needs only its keep mask, a bool per element, which its rng
+redraws (jaxblock/kernels/dropout.py `Dropout`; the FFN's hidden dropout draws it inside the FFN's
+function). Under `jax.checkpoint` the step keeps only those, and recomputes the rest where the backward reads
+it. XLA's GPU compiler otherwise keeps them; the TPU compiler fuses them into the backward's passes itself
+(docs/accelerators.md, "What a layer keeps for its backward", has the figures; `python -m train compile`
+measures them).
 
 Chosen by the platform the step is traced for (jaxblock/attention/platform.py `target_platform`), as the other
 kernels are: on a GPU the recomputation (an elementwise pass costs little beside the matmuls, and the memory is
@@ -42,9 +43,9 @@ def kernel(gradients: Gradients = "auto") -> tuple[str, str]:
         return "saved", "model.block.gradients=plain: JAX's autodiff of the formulas on every platform"
     platform = target_platform()
     if platform == "gpu":
-        return "recomputed", ("GPU: the norms and the FFN's activation re-run from their inputs in the backward "
-                              "(jax.checkpoint), so a layer keeps x and the pre-activation, not float32 copies and "
-                              "[N, L, F] partial products")
+        return "recomputed", ("GPU: the norms, the FFN's activation and the dropout masks re-run from their inputs "
+                              "in the backward (jax.checkpoint), so a layer keeps x, the pre-activation and the rng, "
+                              "not float32 copies, [N, L, F] partial products and bool masks")
     if platform == "tpu":
         return "saved", "TPU: the compiler fuses the formulas' intermediates into the backward itself"
     return "saved", "CPU: autodiff keeps the formulas' intermediates (host memory is plentiful; erf is dear)"

@@ -1,5 +1,5 @@
-"""jaxblock/kernels/recompute.py: on a GPU the norms and the FFN's activation keep only their inputs for the
-backward (counted with jax.ad_checkpoint.print_saved_residuals), with the gradients of plain autodiff; on a CPU
+"""jaxblock/kernels/recompute.py: on a GPU the norms, the FFN's activation and dropout keep only their inputs for
+the backward (counted with jax.ad_checkpoint.print_saved_residuals), with the gradients of plain autodiff; on a CPU
 or a TPU and with gradients=plain, autodiff's own residuals."""
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from jaxblock.attention.platform import for_platform
 from jaxblock.config import BlockConfig
 from jaxblock.ffn import FeedForward
 from jaxblock.kernels import recompute
+from jaxblock.kernels.dropout import Dropout
 from jaxblock.norms import make_norm
 
 N, L, D, F = 2, 8, 16, 64
@@ -75,10 +76,42 @@ def test_the_ffn_on_a_gpu_keeps_its_pre_activations_only(activation: str, ffn_dr
             return residuals(loss, params, x)
 
     hidden = f"bf16[{N},{L},{F}]"
-    # The pre-activation, and the gate's with a GLU; the keep mask is bool.
+    # The pre-activation, and the gate's with a GLU; the keep mask (bool) is redrawn from the rng on a GPU.
     assert kept("gpu").count(hidden) == (2 if activation == "swiglu" else 1)
     assert min(kept("cpu").count(hidden), kept("tpu").count(hidden)) > kept("gpu").count(hidden)
-    assert kept("gpu").count(f"bool[{N},{L},{F}]") == (ffn_dropout > 0)
+    assert kept("gpu").count(f"bool[{N},{L},{F}]") == 0
+    assert kept("cpu").count(f"bool[{N},{L},{F}]") == (ffn_dropout > 0)
+
+
+@pytest.mark.parametrize("gradients", ["auto", "plain"])
+def test_dropout_on_a_gpu_redraws_its_mask_instead_of_keeping_it(gradients: str) -> None:
+    x = jax.random.normal(jax.random.key(0), (N, L, D), jnp.bfloat16)
+    drop = Dropout(0.25, gradients=gradients)
+
+    def kept(platform: str) -> list[str]:
+        def loss(x):
+            y = drop.apply({}, x, deterministic=False, rngs={"dropout": jax.random.key(2)})
+            return jnp.sum(y.astype(jnp.float32))
+
+        with for_platform(platform):
+            return residuals(loss, x)
+
+    mask = f"bool[{N},{L},{D}]"
+    assert kept("cpu").count(mask) == 1 and kept("tpu").count(mask) == 1
+    assert kept("gpu").count(mask) == (gradients == "plain")
+
+    def value_and_grad(platform: str):
+        cot = jax.random.normal(jax.random.key(3), (N, L, D), jnp.float32)
+
+        def loss(x):
+            return jnp.sum(drop.apply({}, x, deterministic=False, rngs={"dropout": jax.random.key(2)}) * cot)
+
+        with for_platform(platform):
+            return jax.jit(jax.value_and_grad(loss))(x.astype(jnp.float32))
+
+    (got_v, got_g), (want_v, want_g) = value_and_grad("gpu"), value_and_grad("tpu")
+    assert float(got_v) == float(want_v)
+    np.testing.assert_array_equal(np.asarray(got_g), np.asarray(want_g))
 
 
 @pytest.mark.parametrize("module", ["layernorm", "rmsnorm", "ffn"])
