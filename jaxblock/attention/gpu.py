@@ -12,7 +12,10 @@ for queries and keys and causal, and nothing else:
 
 Where its function differs from the dense kernel: a padded query sees the padded keys (value 0) instead
 of its segment's real keys, so its output is 0 rather than the dense kernel's; real positions are equal,
-and a padded position never reaches a real one or a loss. A query that sees no key gets exactly 0.
+and a padded position never reaches a real one or a loss. Its q and k are 0 too, so whatever the padded
+positions held (even NaN) a padded query's scores are 0 and its output exactly 0, in the kernel itself: the
+output needs no mask after it, and the step keeps one copy of it for the backward, not a masked second one.
+Every query sees at least its own key (real or padded), so no row is left without a key.
 
 Why this kernel and not tokamax: it ships inside jax (no new dependencies; tokamax pins typeguard 2.x and
 brings qwix), handles exactly the masks the model makes besides windows, and lowers for CUDA on a CPU
@@ -50,6 +53,7 @@ def pallas_gpu_attention(
     g = k.shape[2]
     seg = jnp.zeros((n, length), jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
     ids = jnp.where(valid_tokens, 2 * seg, 1)
+    q, k = (jnp.where(valid_tokens[:, :, None, None], a, jnp.zeros((), a.dtype)) for a in (q, k))
     pad = (-length) % BLOCK
     if g != h:
         k, v = jnp.repeat(k, h // g, axis=2), jnp.repeat(v, h // g, axis=2)
@@ -70,5 +74,4 @@ def pallas_gpu_attention(
                             check_vma=False)(qp, kp, vp, ids)
     else:
         out = run(qp, kp, vp, ids)
-    out = out[:, :length]
-    return jnp.where(valid_tokens[:, :, None, None], out, jnp.zeros((), out.dtype))
+    return out[:, :length]  # 0 at padded queries (above)

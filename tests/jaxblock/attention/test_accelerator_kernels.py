@@ -272,3 +272,20 @@ def test_kernels_run_per_shard_of_the_ambient_mesh(kernel: str) -> None:
     np.testing.assert_allclose(out, want, atol=1e-6, rtol=0)
     for a, b in zip(grads, want_grads, strict=True):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
+
+
+def test_pallas_gpu_output_is_exactly_zero_at_padded_queries_whatever_they_held() -> None:
+    """No mask after the kernel: a padded query's q and k are cleared before it, so its output is exactly 0 even
+    when the padded positions held NaN or Inf (a row of padding only included), and real rows are the dense
+    kernel's."""
+    n, length, h, kdim = 3, 37, 2, 8
+    rng = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(rng.normal(size=(n, length, h, kdim)), jnp.float32) for _ in range(3))
+    valid = jnp.arange(length)[None, :] < jnp.asarray([20, 37, 0])[:, None]
+    pad = ~valid[:, :, None, None]
+    q, k = jnp.where(pad, jnp.nan, q), jnp.where(pad, jnp.inf, k)
+    v = jnp.where(pad, 0.0, v)  # as SelfAttention hands values to every kernel
+    out = jax.jit(lambda q, k, v: pallas_gpu_attention(q, k, v, valid, causal=False, interpret=True))(q, k, v)
+    assert bool(jnp.all(jnp.where(pad, out, 0.0) == 0.0)) and bool(jnp.all(jnp.isfinite(out)))
+    want = _dense(jnp.where(pad, 0.0, q), jnp.where(pad, 0.0, k), v, valid, False, None, None)
+    np.testing.assert_allclose(np.where(pad, 0.0, out), np.where(pad, 0.0, want), atol=F32_TOL, rtol=0)
