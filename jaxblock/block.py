@@ -68,8 +68,8 @@ class EncoderBlock(nn.Module):
         chex.assert_rank(x, 3)
         chex.assert_axis_dimension(x, 2, cfg.model_dim)
         masks.check_valid_tokens(valid_tokens, x.shape[:2])
-        # Non-finite padded values become 0: attention and pooling keep padding out of real outputs, but a
-        # NaN/Inf there would still reach every weight gradient (0 * NaN in the backward matmuls).
+        # A padded token holding a non-finite value becomes 0: attention and pooling keep padding out of real
+        # outputs, but a NaN/Inf there would still reach every weight gradient (0 * NaN in the backward matmuls).
         x = _finite_padding(x, valid_tokens, cfg.compute_dtype)
         x = nn.with_logical_constraint(x, TOKENS)
 
@@ -108,5 +108,10 @@ class EncoderBlock(nn.Module):
 
 
 def _finite_padding(x: jax.Array, valid_tokens: jax.Array, dtype: Any) -> jax.Array:
-    """x [N, L, D] with non-finite padded values set to 0, in `dtype`."""
-    return jnp.where(valid_tokens[..., None] | jnp.isfinite(x), x, 0).astype(dtype)
+    """x [N, L, D] in `dtype`, each padded token that holds a non-finite value set to 0 (all its D values).
+
+    The choice is made per token, a bool [N, L], so the backward (the gradient passes where the token is
+    kept) reads that mask and not x: an elementwise test of x would keep x, or the float32 value it was cast
+    from, alive for the backward in every layer."""
+    clear = ~valid_tokens & ~jnp.all(jnp.isfinite(x), axis=-1)  # bool [N, L]
+    return jnp.where(clear[..., None], jnp.zeros((), x.dtype), x).astype(dtype)

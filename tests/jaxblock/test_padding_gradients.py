@@ -155,3 +155,21 @@ def test_classifier_gradients_ignore_out_of_range_padded_ids(impl, packed):
     assert sum(np.abs(g).max() > 0 for g in jax.tree.leaves(clean_grads)) >= len(jax.tree.leaves(clean_grads)) - 1
     for got in results[1:]:
         _assert_same(results[0], got)
+
+
+def test_finite_padding_clears_a_padded_token_whole() -> None:
+    """A padded token with any non-finite value becomes 0 in all D values; a finite padded token and every real
+    one pass unchanged, and so do their gradients. (Per token, so that the backward reads a bool [N, L] and not
+    x: docs/accelerators.md, "What a layer keeps for its backward".)"""
+    from jaxblock.block import _finite_padding
+
+    x = X.at[0, 6, 3].set(jnp.nan).at[0, 7, 0].set(jnp.inf)  # row 0: tokens 5..7 padded; 5 stays finite
+    y = _finite_padding(x, VALID, jnp.float32)
+    np.testing.assert_array_equal(y[0, 6:], 0.0)
+    np.testing.assert_array_equal(y[0, :6], X[0, :6])
+    np.testing.assert_array_equal(y[1], X[1])
+    w = _loss_weights(x.shape)
+    g = jax.grad(lambda x: jnp.sum(_finite_padding(x, VALID, jnp.float32) * w))(x)
+    np.testing.assert_array_equal(g[0, 6:], 0.0)
+    np.testing.assert_array_equal(g[0, :6], w[0, :6])
+    np.testing.assert_array_equal(g[1], w[1])
