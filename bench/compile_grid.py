@@ -4,6 +4,7 @@
     python -m bench.compile_grid --configs bert_base_mlm_l128 --targets v5e-8,h100-8 --layouts dp,fsdp
     python -m bench.compile_grid --configs tiny --targets v5e-256 train.batch_size=256   # key=value: every cell
     python -m bench.compile_grid --layouts all --targets v5e-8 --layers 3     # each config cut to its first 3 layers
+    python -m bench.compile_grid --layouts all --layers 1 --cells grid.jsonl  # resumable: run it again to go on
 
 Each cell is one `python -m train compile --json` process (the chip's own compiler on this host, no chip):
 compiled or not, the peak memory per chip against the chip's usable memory, fits, the kernel per layer and
@@ -11,6 +12,10 @@ whether the compiled program holds it, the collectives, the compile time. TPU ta
 interpreter (libtpu: the `[tpu]` extra); GPU targets in the GPU compiler's venv (`--gpu-python`, made by
 bench/gpu_compiler_venv.sh). The table goes to bench/records/compile-grid-<date>.md (or --out). Exit codes:
 0 every cell compiled and fits with its kernels, 1 some did not, 2 bad usage (one line).
+
+`--cells FILE` keeps each cell as it ends, one JSON line, and a later run with the same FILE compiles only the
+cells not in it (same config, target, layout and overrides): a grid of hundreds of cells, minutes each on a
+small host, runs in pieces and survives an interrupted run; the table is written from every cell of the grid.
 
 `--layers N` compiles each config with its first N layers (`model.num_layers=N` and each per-layer list of
 `model.layers` cut to its first N entries): every layer kind, kernel and layout of the full model, at a
@@ -50,10 +55,51 @@ class Cell:
     report: dict | None
     problem: str
     seconds: float
+    overrides: tuple[str, ...] = ()
 
     @property
     def ok(self) -> bool:
         return self.code == 0
+
+    @property
+    def key(self) -> tuple[str, str, str, tuple[str, ...]]:
+        return self.config, self.target, self.layout, self.overrides
+
+    def to_json(self) -> str:
+        return json.dumps({"config": self.config, "target": self.target, "layout": self.layout,
+                           "overrides": list(self.overrides), "code": self.code, "report": self.report,
+                           "problem": self.problem, "seconds": self.seconds})
+
+
+class CellsFileError(ValueError):
+    """A --cells file that is not this command's (one line names the file, the line and the fix)."""
+
+
+def load_cells(path: Path) -> dict[tuple[str, str, str, tuple[str, ...]], Cell]:
+    """The cells a --cells file holds, by key; a missing file holds none."""
+    if not path.exists():
+        return {}
+    cells = {}
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            d = json.loads(line)
+            cell = Cell(d["config"], d["target"], d["layout"], int(d["code"]), d["report"], d["problem"],
+                        float(d["seconds"]), tuple(d["overrides"]))
+        except (ValueError, KeyError, TypeError) as err:
+            raise CellsFileError(f"{path}:{number} is not a cell of python -m bench.compile_grid ({err}): pass "
+                                 "--cells a file this command wrote, or a new path") from None
+        cells[cell.key] = cell
+    return cells
+
+
+def keep_cell(path: Path, cell: Cell) -> None:
+    """Append one cell to the --cells file and flush it to disk, so an interrupted run loses no finished cell."""
+    with path.open("a") as f:
+        f.write(cell.to_json() + "\n")
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def run_cell(
@@ -68,13 +114,14 @@ def run_cell(
     try:
         proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired:
-        return Cell(config.stem, target, layout, 1, None, f"timed out after {timeout}s", time.perf_counter() - start)
+        return Cell(config.stem, target, layout, 1, None, f"timed out after {timeout}s", time.perf_counter() - start,
+                    overrides)
     seconds = time.perf_counter() - start
     report = json.loads(proc.stdout) if proc.stdout.strip().startswith("{") else None
     problem = "" if proc.returncode == 0 else (proc.stderr.strip().splitlines() or ["(no message)"])[-1][:200]
     if report is not None and proc.returncode == 1:
         problem = "does not fit" if not report["fits"] else "a promised kernel is missing"
-    return Cell(config.stem, target, layout, proc.returncode, report, problem, seconds)
+    return Cell(config.stem, target, layout, proc.returncode, report, problem, seconds, overrides)
 
 
 def depth_overrides(config: Path, layers: int) -> tuple[str, ...]:
@@ -122,7 +169,7 @@ def row(cell: Cell) -> str:
             f"{_kernels(r)} | {collectives} | {cell.seconds:.0f} |")
 
 
-def markdown(cells: list[Cell], seconds: float, overrides: tuple[str, ...] = ()) -> str:
+def markdown(cells: list[Cell], seconds: float, overrides: tuple[str, ...] = (), kept: int = 0) -> str:
     import jax
 
     bad = [c for c in cells if not c.ok]
@@ -136,7 +183,8 @@ def markdown(cells: list[Cell], seconds: float, overrides: tuple[str, ...] = ())
         "Kernels: per call, the layers whose compiled program holds the kernel the dispatch promised, of all.",
         "",
         f"{datetime.date.today().isoformat()}, {platform.machine()}, jax {jax.__version__}: {len(cells)} cells, "
-        f"{len(cells) - len(bad)} ok, {len(bad)} not, {seconds / 60:.0f} minutes.",
+        f"{len(cells) - len(bad)} ok, {len(bad)} not, {seconds / 60:.0f} minutes"
+        + (f" ({kept} cells from an earlier run's --cells file; minutes: every cell's compile)." if kept else "."),
         "",
         "| config | target | mesh | compiled | GiB per chip | fits | kernels | collectives (train) | s |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
@@ -158,6 +206,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="compile each config with its first N layers only (default: every layer)")
     p.add_argument("--timeout", type=int, default=1800, help="seconds per cell (default 1800)")
     p.add_argument("--out", default="", help="Markdown file, or - (default bench/records/compile-grid-<date>.md)")
+    p.add_argument("--cells", default="", metavar="FILE",
+                   help="keep each cell in FILE (JSON lines) as it ends; cells already there are not compiled again")
     p.add_argument("overrides", nargs="*", help="key=value for every cell (e.g. train.batch_size=256 for v5e-256)")
     try:
         args = p.parse_args(argv)
@@ -180,17 +230,33 @@ def main(argv: list[str] | None = None) -> int:
         print(f"python -m bench.compile_grid: {', '.join(gpu)} need the GPU compiler's venv: run "
               "bench/gpu_compiler_venv.sh, or pass --gpu-python", file=sys.stderr)
         return 2
-    start, cells = time.perf_counter(), []
+    cells_file = Path(args.cells) if args.cells else None
+    try:
+        done = load_cells(cells_file) if cells_file else {}
+    except (CellsFileError, OSError) as err:
+        print(f"python -m bench.compile_grid: {err}", file=sys.stderr)
+        return 2
+    start, cells, kept = time.perf_counter(), [], 0
     for name in names:
         for target in targets:
             for layout in layouts:
                 python = args.gpu_python if target in gpu else sys.executable
                 cut = depth_overrides(every[name], args.layers) if args.layers else ()
-                cell = run_cell(every[name], target, layout, python, args.timeout, cut + tuple(args.overrides))
+                overrides = cut + tuple(args.overrides)
+                cell = done.get((name, target, layout, overrides))
+                if cell is not None:
+                    kept += 1
+                else:
+                    cell = run_cell(every[name], target, layout, python, args.timeout, overrides)
+                    if cells_file:
+                        keep_cell(cells_file, cell)
                 print(row(cell), file=sys.stderr, flush=True)
                 cells.append(cell)
+    if kept:
+        print(f"{kept} of {len(cells)} cells from {cells_file}, not compiled again", file=sys.stderr)
     shown = ((f"--layers {args.layers}",) if args.layers else ()) + tuple(args.overrides)
-    text = markdown(cells, time.perf_counter() - start, shown)
+    seconds = sum(c.seconds for c in cells) if kept else time.perf_counter() - start
+    text = markdown(cells, seconds, shown, kept)
     out = args.out or str(free_name(f"compile-grid-{datetime.date.today().isoformat()}"))
     if out == "-":
         print(text)

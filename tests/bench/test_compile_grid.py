@@ -63,3 +63,43 @@ def test_layers_cuts_the_depth_and_every_per_layer_list_and_the_config_still_loa
 def test_layers_below_one_is_one_line_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert compile_grid.main(["--layers", "-1"]) == 2
     assert "--layers -1: give a depth of at least 1" in capsys.readouterr().err
+
+
+def test_cells_file_keeps_each_cell_and_a_second_run_compiles_only_the_rest(monkeypatch: Any, tmp_path: Path,
+                                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    compiled: list[tuple[str, str]] = []
+
+    def fake_cell(config: Path, target: str, layout: str, python: str, timeout: int,
+                  overrides: tuple[str, ...] = ()) -> compile_grid.Cell:
+        compiled.append((config.stem, target))
+        if target == "v6e-8" and len(compiled) == 2:
+            raise KeyboardInterrupt  # the first run stops in its second cell
+        return compile_grid.Cell(config.stem, target, layout, 0, REPORT, "", 1.5, overrides)
+
+    monkeypatch.setattr(compile_grid, "run_cell", fake_cell)
+    cells, out = tmp_path / "grid.jsonl", tmp_path / "grid.md"
+    argv = ["--configs", "tiny", "--targets", "v5e-8,v6e-8", "--cells", str(cells), "--out", str(out)]
+    with pytest.raises(KeyboardInterrupt):
+        compile_grid.main(argv)
+    assert [json.loads(line)["target"] for line in cells.read_text().splitlines()] == ["v5e-8"]
+    assert compile_grid.main(argv) == 0
+    assert compiled == [("tiny", "v5e-8"), ("tiny", "v6e-8"), ("tiny", "v6e-8")]  # v5e-8 not compiled again
+    text = out.read_text()
+    assert "| tiny | v5e-8 | data=8 |" in text and "| tiny | v6e-8 | data=8 |" in text
+    assert "1 cells from an earlier run's --cells file" in text
+    assert len(cells.read_text().splitlines()) == 2
+    # Another depth or override is another cell: compiled, not taken from the file; then kept like the rest.
+    assert compile_grid.main([*argv, "--layers", "1"]) == 0 and len(compiled) == 5
+    assert compile_grid.main([*argv, "--layers", "1"]) == 0 and len(compiled) == 5
+    assert compile_grid.main([*argv, "train.batch_size=64"]) == 0 and len(compiled) == 7
+
+
+def test_a_cells_file_of_something_else_is_one_line_exit_2_and_left_as_it_was(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cells = tmp_path / "notes.txt"
+    cells.write_text("my notes\n")
+    assert compile_grid.main(["--configs", "tiny", "--cells", str(cells)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"{cells}:1 is not a cell" in err[0]
+    assert cells.read_text() == "my notes\n"
