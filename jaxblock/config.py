@@ -245,9 +245,9 @@ class BlockConfig(_Frozen):
         "auto",
         description="How the projections, the norms and the FFN are differentiated. 'auto': by the kernels chosen "
         "for the platform (on a CPU, weight gradients that transpose the smaller operand and LayerNorm's backward "
-        "written out; on a GPU, the norms and the FFN's activation recomputed from their inputs in the "
-        "backward: jaxblock/kernels/); 'plain': JAX's autodiff of the formulas on every platform (forward mode, "
-        "jax.jvp, needs it).",
+        "written out; on a GPU, the norms, the FFN's activation and the dropout masks recomputed from their inputs "
+        "in the backward and each weight gradient computed within its layer: jaxblock/kernels/); 'plain': JAX's "
+        "autodiff of the formulas on every platform (forward mode, jax.jvp, needs it).",
     )
     attention: AttentionConfig = Field(default_factory=lambda: AttentionConfig())
 
