@@ -233,8 +233,14 @@ def main(argv: list[str] | None = None) -> int:
     cells_file = Path(args.cells) if args.cells else None
     try:
         done = load_cells(cells_file) if cells_file else {}
-    except (CellsFileError, OSError) as err:
+        if cells_file:
+            cells_file.open("a").close()  # writable before the first compile, not after it
+    except CellsFileError as err:
         print(f"python -m bench.compile_grid: {err}", file=sys.stderr)
+        return 2
+    except OSError as err:
+        print(f"python -m bench.compile_grid: --cells {cells_file}: {err.strerror or err}: give a file in a "
+              "writable folder", file=sys.stderr)
         return 2
     start, cells, kept = time.perf_counter(), [], 0
     for name in names:

@@ -103,3 +103,13 @@ def test_a_cells_file_of_something_else_is_one_line_exit_2_and_left_as_it_was(
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and f"{cells}:1 is not a cell" in err[0]
     assert cells.read_text() == "my notes\n"
+
+
+def test_a_cells_file_that_cannot_be_written_is_one_line_exit_2_before_any_compile(
+    monkeypatch: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(compile_grid, "run_cell", lambda *a, **k: pytest.fail("compiled before checking --cells"))
+    for bad in (tmp_path / "no" / "such" / "grid.jsonl", tmp_path):
+        assert compile_grid.main(["--configs", "tiny", "--targets", "v5e-8", "--cells", str(bad)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f"--cells {bad}:" in err[0] and "writable folder" in err[0]
