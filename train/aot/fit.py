@@ -44,6 +44,16 @@ class Row:
     flops: float | None
     probes: list[Probe]
 
+    @property
+    def at_limit(self) -> bool:
+        """The search's largest batch fits: the largest that fits is at least that, not that."""
+        return self.largest >= LIMIT
+
+    def shown(self) -> str:
+        if not self.largest:
+            return "none fits"
+        return f"{self.largest}+ (the search's limit)" if self.at_limit else str(self.largest)
+
 
 @dataclasses.dataclass
 class Table:
@@ -60,7 +70,10 @@ class Table:
         return any(row.largest > 0 for row in self.rows)
 
     def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self) | {"any_fits": self.any_fits}
+        out = dataclasses.asdict(self) | {"any_fits": self.any_fits, "limit": LIMIT}
+        for row, data in zip(self.rows, out["rows"], strict=True):
+            data["at_limit"] = row.at_limit
+        return out
 
 
 def search(resolved: shapes.Resolved, devices: list[Any], target: targets.Target, config_path: str,
@@ -156,7 +169,7 @@ def render(table: Table) -> str:
         peak = size(row.total) if row.total else "-"
         flops = f"{row.flops / 1e12:.2f}" if row.flops else "-"
         seconds = sum(p.seconds for p in row.probes)
-        lines.append(f"| {row.remat} | {row.largest or 'none fits'} | {row.global_batch or '-'} | {peak} | {flops} | "
+        lines.append(f"| {row.remat} | {row.shown()} | {row.global_batch or '-'} | {peak} | {flops} | "
                      f"{len(row.probes)} ({seconds:.0f}s) |")
     lines += ["", "probes (per chip: peak): " + "; ".join(
         f"{row.remat} " + ", ".join(f"{p.per_chip}: {size(p.total) if p.total else 'refused'}"

@@ -62,3 +62,15 @@ def test_a_peak_that_is_no_line_is_still_found_exactly(state, per_row, start, st
 def test_nothing_fits_and_everything_fits():
     assert _search(lambda n: 20 * GIB + n, int(15.75 * GIB), 32)[0] == 0
     assert _search(lambda n: n, int(15.75 * GIB), 32)[0] == LIMIT
+
+
+def test_a_batch_at_the_search_limit_is_shown_as_a_floor_not_as_the_answer():
+    from train.aot.fit import Probe, Row, Table, render
+
+    probes = [Probe(LIMIT, True, 17 * GIB, None, 1.0)]
+    rows = [Row("none", LIMIT, 8 * LIMIT, 17 * GIB, None, probes), Row("full", 100, 800, 15 * GIB, None, probes)]
+    table = Table("c.yaml", "h100-8", "H100", int(59.33 * GIB), 8, "m", rows)
+    text = render(table)
+    assert f"| none | {LIMIT}+ (the search's limit) |" in text and "| full | 100 |" in text
+    data = table.to_json()
+    assert data["limit"] == LIMIT and [r["at_limit"] for r in data["rows"]] == [True, False]
