@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jaxblock.config import BlockConfig
 from jaxblock.initializers import Weights, bias_init, kernel_init
 from jaxblock.kernels import projection, recompute
-from jaxblock.kernels.dropout import Dropout, dropped, keep_mask
+from jaxblock.kernels.dropout import Dropout, dropout
 
 _SQRT_HALF = 0.7071067811865476
 
@@ -80,7 +80,7 @@ class FeedForward(nn.Module):
             h = act(up) if gate is None else act(gate) * up
             h = nn.with_logical_constraint(h, ("batch", "length", "act_mlp"))
             if rng is not None:  # the Dropout module's mask: the same rng, probability and shape
-                h = dropped(h, keep_mask(rng, 1.0 - cfg.ffn_dropout, h.shape), cfg.ffn_dropout)
+                h = dropout(h, rng, cfg.ffn_dropout)
             return self._dense("NLF,FD->NLD", h, w2, b2)
 
         # On a GPU its backward re-runs act and the keep mask from the pre-activation and the rng

@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxblock import masks
+from jaxblock.kernels.dropout import dropped
 
 
 def dense_attention(
@@ -84,7 +85,7 @@ def _weights(qh: jax.Array, kh: jax.Array, bias: jax.Array, rows: jax.Array) -> 
 
 def _dropped(p: jax.Array, keep: jax.Array | None, rate: float) -> jax.Array:
     """Dropout with a given mask, as flax.linen.Dropout computes it: kept / (1 - rate), dropped 0."""
-    return p if keep is None else jnp.where(keep, p / (1.0 - rate), 0.0)
+    return p if keep is None else dropped(p, keep, rate)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))

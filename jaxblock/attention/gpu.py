@@ -14,7 +14,8 @@ Where its function differs from the dense kernel: a padded query sees the padded
 of its segment's real keys, so its output is 0 rather than the dense kernel's; real positions are equal,
 and a padded position never reaches a real one or a loss. Its q and k are 0 too, so whatever the padded
 positions held (even NaN) a padded query's scores are 0 and its output exactly 0, in the kernel itself: the
-output needs no mask after it, and the step keeps one copy of it for the backward, not a masked second one.
+output needs no mask after it, and the step keeps one copy of it for the backward, not a masked second one
+(checked in Pallas interpret mode: tests/jaxblock/attention/test_accelerator_kernels.py).
 Every query sees at least its own key (real or padded), so no row is left without a key.
 
 Why this kernel and not tokamax: it ships inside jax (no new dependencies; tokamax pins typeguard 2.x and

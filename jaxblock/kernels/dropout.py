@@ -21,6 +21,7 @@ tests/jaxblock/kernels/test_dropout.py holds the two equal.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -116,6 +117,12 @@ def dropped(x: jax.Array, keep: jax.Array, rate: float) -> jax.Array:
     return lax.select(keep, x / (1.0 - rate), jnp.zeros_like(x))
 
 
+def dropout(x: jax.Array, rng: jax.Array, rate: float, shape: Sequence[int] | None = None) -> jax.Array:
+    """flax's Dropout of x with its mask drawn from rng: of `shape` (broadcast to x's; default x's own)."""
+    keep = keep_mask(rng, 1.0 - rate, x.shape if shape is None else shape)
+    return dropped(x, jnp.broadcast_to(keep, x.shape), rate)
+
+
 class Dropout(nn.Dropout):
     """flax.linen.Dropout, its keep mask from `keep_mask`: the same rng stream, mask and result. Where
     jaxblock/kernels/recompute.py recomputes (a GPU), the backward redraws the mask from the rng instead of
@@ -131,16 +138,12 @@ class Dropout(nn.Dropout):
             return inputs
         if self.rate == 1.0:  # as flax: no NaN gradients at 1.0
             return jnp.zeros_like(inputs)
-        keep_prob = 1.0 - self.rate
         if rng is None:
             rng = self.make_rng(self.rng_collection)
         shape = list(inputs.shape)
         for dim in self.broadcast_dims:
             shape[dim] = 1
-
-        def drop(x: jax.Array, rng: jax.Array) -> jax.Array:
-            return dropped(x, jnp.broadcast_to(keep_mask(rng, keep_prob, shape), x.shape), self.rate)
-
+        drop = functools.partial(dropout, rate=self.rate, shape=shape)
         return recompute.recomputed(drop, self.gradients)(inputs, rng)
 
     def rng(self) -> jax.Array:

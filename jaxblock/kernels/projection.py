@@ -14,9 +14,10 @@ rounding, ~1e-7 relative). `python -m bench.e2e` measures what it buys end to en
 On a GPU. dW and dx are JAX's own products, returned through one optimization barrier: the backward of the layer
 below cannot start (it needs dx) before this layer's weight gradients exist. Without it XLA's GPU scheduler put
 the weight-gradient dots of every layer after the last layer's backward, so each layer's [N, L, F] activation
-and gradient stayed live until the end of the step: BERT-base at L 512, 32 rows a chip on h100-8, no remat, held
-the layers' FFN gradients at once (`python -m train compile --dump` shows them in the peak's breakdown). dx and
-dW are the products JAX's autodiff forms (the test holds them equal within float32 rounding).
+and gradient stayed live until the end of the step: BERT-base at L 512, 32 rows a chip, no remat, compiled for
+h100-8 by XLA's GPU compiler on a CPU host (not run on a device), held the layers' FFN gradients at once
+(`python -m train compile --dump` shows them in the peak's breakdown). dx and dW are the products JAX's
+autodiff forms (the test holds them equal within float32 rounding).
 
 On a TPU `jnp.einsum`: the TPU compiler orders the weight gradients itself (docs/accelerators.md, "What a layer
 keeps for its backward"). Chosen by the platform the step is traced for (jaxblock/attention/platform.py
