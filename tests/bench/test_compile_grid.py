@@ -99,10 +99,20 @@ def test_a_cells_file_of_something_else_is_one_line_exit_2_and_left_as_it_was(
 ) -> None:
     cells = tmp_path / "notes.txt"
     cells.write_text("my notes\n")
-    assert compile_grid.main(["--configs", "tiny", "--cells", str(cells)]) == 2
+    assert compile_grid.main(["--configs", "tiny", "--targets", "v5e-8", "--cells", str(cells)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and f"{cells}:1 is not a cell" in err[0]
     assert cells.read_text() == "my notes\n"
+
+
+def test_a_gpu_target_without_the_gpu_compilers_venv_is_one_line_exit_2(
+    monkeypatch: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(compile_grid, "run_cell", lambda *a, **k: pytest.fail("compiled without the GPU venv"))
+    absent = tmp_path / "no-venv" / "bin" / "python"
+    assert compile_grid.main(["--configs", "tiny", "--targets", "h100-8", "--gpu-python", str(absent)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "h100-8 need the GPU compiler's venv" in err[0] and "gpu_compiler_venv.sh" in err[0]
 
 
 def test_a_cells_file_that_cannot_be_written_is_one_line_exit_2_before_any_compile(
