@@ -28,6 +28,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -133,18 +134,43 @@ def _runner(lp: int, r: int, causal: bool, window: int, interpret: bool) -> Call
         kg = k.transpose(0, 2, 1, 3)  # [n, G, Lp, K]
         vg = v.transpose(0, 2, 1, 3)
 
-        # Saved for the backward: the output and each query's log-sum-exp [R, Lp], as named arrays. Without
-        # the policy the program kept the kernel's lane-wide log-sum-exp [R, Lp, 128] float32 from the forward
-        # to the backward instead, 128 times the size, in every layer.
-        @functools.partial(jax.checkpoint, policy=jax.checkpoint_policies.save_only_these_names(RESIDUALS))
-        def one(qh: jax.Array, kh: jax.Array, vh: jax.Array, qi: jax.Array, ki: jax.Array) -> jax.Array:
-            return kernel(qh, kh, vh, segment_ids=splash_kernel.SegmentIds(q=qi, kv=ki))
-
+        one = _residuals_at_the_kernel(kernel)
         per_head = jax.vmap(one, in_axes=(0, 0, 0, None, None))  # over G
         out = jax.vmap(per_head)(qg, kg, vg, q_ids, kv_ids)  # [n, G, R, Lp, K]
         return out.transpose(0, 3, 1, 2, 4).reshape(n, lp, h, kdim)
 
     return run
+
+
+def _residuals_at_the_kernel(kernel: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
+    """The kernel on (q, k, v, q_ids, kv_ids), differentiated by splash's own backward, with what that backward
+    reads (q, k, v, the output and each query's log-sum-exp [R, Lp]) made in the forward, next to the kernel.
+
+    The kernel writes the log-sum-exp lane-wide, [R, Lp, 128] float32, and keeps column 0. XLA may move that
+    slice to the backward and keep the lane-wide array from the forward until then, 128 times the size, in
+    every layer: the TPU compiler did so in an FSDP step, whose weight gathers reorder the forward. One
+    optimization barrier over the output and the backward's residuals makes the output wait for the sliced
+    residuals, so the forward holds only those."""
+
+    def call(q: jax.Array, k: jax.Array, v: jax.Array, q_ids: jax.Array, kv_ids: jax.Array) -> jax.Array:
+        return kernel(q, k, v, segment_ids=splash_kernel.SegmentIds(q=q_ids, kv=kv_ids))
+
+    @jax.custom_vjp
+    def attend(q: jax.Array, k: jax.Array, v: jax.Array, q_ids: jax.Array, kv_ids: jax.Array) -> jax.Array:
+        return call(q, k, v, q_ids, kv_ids)
+
+    def forward(q: jax.Array, k: jax.Array, v: jax.Array, q_ids: jax.Array,
+                kv_ids: jax.Array) -> tuple[jax.Array, Any]:
+        out, backward = jax.vjp(lambda a, b, c: call(a, b, c, q_ids, kv_ids), q, k, v)  # backward: a pytree
+        return jax.lax.optimization_barrier((out, backward))
+
+    def backward(saved: Any, d_out: jax.Array) -> tuple[jax.Array | None, ...]:
+        # And the backward widens the log-sum-exp to 128 lanes again only once this layer's gradient exists.
+        saved, d_out = jax.lax.optimization_barrier((saved, d_out))
+        return (*saved(d_out), None, None)  # no cotangent for the segment ids
+
+    attend.defvjp(forward, backward)
+    return attend
 
 
 def _sharded(run: Callable[..., jax.Array], q: jax.Array, k: jax.Array, v: jax.Array,

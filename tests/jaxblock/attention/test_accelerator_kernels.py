@@ -22,6 +22,7 @@ import functools
 from typing import Any
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -162,6 +163,37 @@ def test_bfloat16_inputs_stay_within_the_stated_tolerance(kernel: str) -> None:
 def test_block_sizes_pad_to_the_lane_width() -> None:
     assert [padded_length(n) for n in (1, 128, 129, 300)] == [128, 128, 256, 384]
     assert [block_size(n) for n in (100, 256, 300, 512, 640, 1024)] == [128, 256, 128, 512, 128, 512]
+
+
+def _barrier_operands(jaxpr: Any) -> list[list[Any]]:
+    """The operand avals of every optimization_barrier in a closed jaxpr and the jaxprs it calls."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "optimization_barrier":
+            found.append([v.aval for v in eqn.invars])
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            found += _barrier_operands(sub)
+    return found
+
+
+def test_splash_forward_makes_its_backwards_residuals_next_to_the_kernel() -> None:
+    """The forward passes the kernel's output only together with what splash's backward reads: the float32
+    log-sum-exp per query [.., Lp], never the kernel's lane-wide [.., Lp, 128] form (which XLA kept from the
+    forward to the backward in every layer of a TPU FSDP step); and jax.vjp's backward is a pytree of those
+    arrays (the splash wrapper hands it to custom_vjp as its residuals: an upgrade that changes this fails here)."""
+    n, length, h, kdim = 2, 128, 2, 8
+    q, k, v = (jax.random.normal(jax.random.key(i), (n, length, h, kdim)) for i in range(3))
+    valid = jnp.arange(length)[None, :] < jnp.array([[100], [128]])
+    attend = functools.partial(splash_attention, valid_tokens=valid, causal=False)
+    jaxpr = jax.make_jaxpr(lambda q, k, v: jax.vjp(attend, q, k, v)[1])(q, k, v)
+    barriers = _barrier_operands(jaxpr.jaxpr)
+    assert barriers, "no optimization barrier in splash's forward"
+    shapes = [(a.shape, a.dtype) for ops in barriers for a in ops]
+    assert any(shape[-1:] == (length,) and dtype == jnp.float32 for shape, dtype in shapes)  # the log-sum-exp
+    assert any(shape[-2:] == (length, kdim) for shape, _ in shapes)  # the output, released with it
+    assert not any(shape[-2:] == (length, 128) for shape, _ in shapes)
+    _, backward = jax.vjp(jnp.sin, jnp.ones(3))
+    assert [leaf.shape for leaf in jax.tree.leaves(backward)] == [(3,)]
 
 
 # --- through the model ---------------------------------------------------------------------------------
