@@ -159,7 +159,9 @@ class Encoder(nn.Module):
             )
             x = x + table.astype(jnp.float32)[positions + cfg.embedding.position_offset]
         if cfg.embedding.norm:
-            x = make_norm(blk.model_copy(update={"model_dim": width}), "embed_norm")(x).astype(jnp.float32)
+            # Summed in float32, normalized from the compute dtype as a block's norms are: the norm keeps its
+            # input for the backward pass, and in float32 that is twice the bytes of any other [N, L, E] kept.
+            x = make_norm(blk.model_copy(update={"model_dim": width}), "embed_norm")(x.astype(blk.compute_dtype))
         x = Dropout(cfg.embedding.dropout, gradients=blk.gradients)(x, deterministic=not train)
         if width != blk.model_dim:  # E -> D (ELECTRA's embeddings_project)
             x = nn.Dense(
