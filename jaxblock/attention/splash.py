@@ -150,7 +150,9 @@ def _residuals_at_the_kernel(kernel: Callable[..., jax.Array]) -> Callable[..., 
     slice to the backward and keep the lane-wide array from the forward until then, 128 times the size, in
     every layer: the TPU compiler did so in an FSDP step, whose weight gathers reorder the forward. One
     optimization barrier over the output and the backward's residuals makes the output wait for the sliced
-    residuals, so the forward holds only those."""
+    residuals, so the forward holds only those; a second one, over the residuals and the output's gradient,
+    keeps the backward from widening them to 128 lanes again ahead of time (without it a data-parallel step
+    widened several layers' at once, at the top of the backward pass)."""
 
     def call(q: jax.Array, k: jax.Array, v: jax.Array, q_ids: jax.Array, kv_ids: jax.Array) -> jax.Array:
         return kernel(q, k, v, segment_ids=splash_kernel.SegmentIds(q=q_ids, kv=kv_ids))
