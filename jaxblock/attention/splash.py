@@ -149,8 +149,10 @@ def _residuals_at_the_kernel(kernel: Callable[..., jax.Array]) -> Callable[..., 
     The kernel writes the log-sum-exp lane-wide, [R, Lp, 128] float32, and keeps column 0. XLA may move that
     slice to the backward and keep the lane-wide array from the forward until then, 128 times the size, in
     every layer: the TPU compiler did so in an FSDP step, whose weight gathers reorder the forward. One
-    optimization barrier over the output and the backward's residuals makes the output wait for the sliced
-    residuals, so the forward holds only those; a second one, over the residuals and the output's gradient,
+    optimization barrier over the output and the sliced log-sum-exp makes the output wait for the slice, so
+    the forward holds only that (a barrier over every residual, the kernel's mask tables included, stopped
+    libtpu 0.0.42.1 with a failed check in its memory-space assignment for BERT-base at L 128, v5e-8); a
+    second one, over the residuals and the output's gradient,
     keeps the backward from widening them to 128 lanes again ahead of time (without it a data-parallel step
     widened several layers' at once, at the top of the backward pass)."""
 
@@ -164,7 +166,12 @@ def _residuals_at_the_kernel(kernel: Callable[..., jax.Array]) -> Callable[..., 
     def forward(q: jax.Array, k: jax.Array, v: jax.Array, q_ids: jax.Array,
                 kv_ids: jax.Array) -> tuple[jax.Array, Any]:
         out, backward = jax.vjp(lambda a, b, c: call(a, b, c, q_ids, kv_ids), q, k, v)  # backward: a pytree
-        return jax.lax.optimization_barrier((out, backward))
+        leaves, tree = jax.tree.flatten(backward)
+        lse = [i for i, x in enumerate(leaves) if x.dtype == jnp.float32 and x.shape == q.shape[:-1]]
+        out, kept = jax.lax.optimization_barrier((out, [leaves[i] for i in lse]))
+        for i, x in zip(lse, kept, strict=True):
+            leaves[i] = x
+        return out, jax.tree.unflatten(tree, leaves)
 
     def backward(saved: Any, d_out: jax.Array) -> tuple[jax.Array | None, ...]:
         # And the backward widens the log-sum-exp to 128 lanes again only once this layer's gradient exists.
