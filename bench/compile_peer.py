@@ -184,9 +184,10 @@ def render(rows: list[Row], target: str, chip: str, usable: int, length: int) ->
         for r in ours:
             base = peer["on"] if r.remat != "none" and "on" in peer else peer["none"]
             if r.temporaries and base.temporaries:
-                lines.append(f"- {r.side}, remat {r.remat}: {r.temporaries / base.temporaries:.2f}x the peer's "
+                # three decimals: a ratio beside a goal such as 0.5x must not round onto it
+                lines.append(f"- {r.side}, remat {r.remat}: {r.temporaries / base.temporaries:.3f}x the peer's "
                              f"temporaries (remat {base.remat})"
-                             + (f"; {r.largest / base.largest:.2f}x its largest batch" if r.largest and base.largest
+                             + (f"; {r.largest / base.largest:.3f}x its largest batch" if r.largest and base.largest
                                 else ""))
     return "\n".join(lines)
 
