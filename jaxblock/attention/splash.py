@@ -90,14 +90,14 @@ def splash_attention(
 
     static = None if window is None else masks.static_int(window)
     if static is not None or window is None:
-        run = _runner(lp, h // g, causal, -1 if static is None else static, bool(interpret))
+        run = _runner(lp, h // g, causal, -1 if static is None else static, bool(interpret), release=True)
         out = _sharded(run, qp, kp, vp, q_ids, kv_ids)
     else:
         choices = tuple(sorted(set(window_choices)))
         if not choices:
             raise ValueError("a traced attention window needs the stack's window_choices for splash attention")
         branches = [
-            functools.partial(_sharded, _runner(lp, h // g, causal, w, bool(interpret))) for w in choices
+            functools.partial(_sharded, _runner(lp, h // g, causal, w, bool(interpret), release=False)) for w in choices
         ]
         index = jnp.searchsorted(jnp.asarray(choices, jnp.int32), jnp.asarray(window, jnp.int32))
         out = jax.lax.switch(jnp.clip(index, 0, len(choices) - 1), branches, qp, kp, vp, q_ids, kv_ids)
@@ -106,8 +106,12 @@ def splash_attention(
 
 
 @functools.lru_cache(maxsize=64)
-def _runner(lp: int, r: int, causal: bool, window: int, interpret: bool) -> Callable[..., jax.Array]:
-    """A function (q [n, Lp, H, K], k, v [n, Lp, G, K], q_ids, kv_ids [n, Lp]) -> [n, Lp, H, K] for one shard."""
+def _runner(lp: int, r: int, causal: bool, window: int, interpret: bool, release: bool) -> Callable[..., jax.Array]:
+    """A function (q [n, Lp, H, K], k, v [n, Lp, G, K], q_ids, kv_ids [n, Lp]) -> [n, Lp, H, K] for one shard.
+
+    release: the backward's residuals made next to the kernel (`_residuals_at_the_kernel`); inside `lax.switch`
+    (a scanned stack's traced window) the kernel's residuals are instead saved by name through jax.checkpoint,
+    as custom_vjp's residual pytree from jax.vjp does not lower inside a switch branch of a scan here."""
     shape = (lp, lp)
     if window >= 0:
         head_mask: splash_mask.Mask = splash_mask.LocalMask(shape, (window, 0 if causal else window), offset=0)
@@ -134,7 +138,13 @@ def _runner(lp: int, r: int, causal: bool, window: int, interpret: bool) -> Call
         kg = k.transpose(0, 2, 1, 3)  # [n, G, Lp, K]
         vg = v.transpose(0, 2, 1, 3)
 
-        one = _residuals_at_the_kernel(kernel)
+        if release:
+            one = _residuals_at_the_kernel(kernel)
+        else:
+            @functools.partial(jax.checkpoint, policy=jax.checkpoint_policies.save_only_these_names(RESIDUALS))
+            def one(qh: jax.Array, kh: jax.Array, vh: jax.Array, qi: jax.Array, ki: jax.Array) -> jax.Array:
+                return kernel(qh, kh, vh, segment_ids=splash_kernel.SegmentIds(q=qi, kv=ki))
+
         per_head = jax.vmap(one, in_axes=(0, 0, 0, None, None))  # over G
         out = jax.vmap(per_head)(qg, kg, vg, q_ids, kv_ids)  # [n, G, R, Lp, K]
         return out.transpose(0, 3, 1, 2, 4).reshape(n, lp, h, kdim)
@@ -165,7 +175,8 @@ def _residuals_at_the_kernel(kernel: Callable[..., jax.Array]) -> Callable[..., 
 
     def forward(q: jax.Array, k: jax.Array, v: jax.Array, q_ids: jax.Array,
                 kv_ids: jax.Array) -> tuple[jax.Array, Any]:
-        out, backward = jax.vjp(lambda a, b, c: call(a, b, c, q_ids, kv_ids), q, k, v)  # backward: a pytree
+        # every input a primal, so that the backward (a pytree of the residuals) closes over no traced value
+        out, backward = jax.vjp(call, q, k, v, q_ids, kv_ids)
         leaves, tree = jax.tree.flatten(backward)
         lse = [i for i, x in enumerate(leaves) if x.dtype == jnp.float32 and x.shape == q.shape[:-1]]
         out, kept = jax.lax.optimization_barrier((out, [leaves[i] for i in lse]))
@@ -176,7 +187,7 @@ def _residuals_at_the_kernel(kernel: Callable[..., jax.Array]) -> Callable[..., 
     def backward(saved: Any, d_out: jax.Array) -> tuple[jax.Array | None, ...]:
         # And the backward widens the log-sum-exp to 128 lanes again only once this layer's gradient exists.
         saved, d_out = jax.lax.optimization_barrier((saved, d_out))
-        return (*saved(d_out), None, None)  # no cotangent for the segment ids
+        return (*saved(d_out)[:3], None, None)  # no cotangent for the segment ids
 
     attend.defvjp(forward, backward)
     return attend
