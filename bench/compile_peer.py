@@ -192,12 +192,27 @@ def render(rows: list[Row], target: str, chip: str, usable: int, length: int) ->
     return "\n".join(lines)
 
 
+def count(text: str) -> int:
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{n} is not a count: give 1 or more")
+    return n
+
+
+def length(text: str) -> int:
+    n, most = count(text), BERT_BASE["max_position_embeddings"]
+    if n > most:
+        raise argparse.ArgumentTypeError(f"{n} is past BERT-base's {most} positions: give 1 to {most}")
+    return n
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.compile_peer", description=__doc__.split("\n")[0])
     p.add_argument("--target", default="v5e-8", help="a TPU slice or GPU node set (default v5e-8)")
     p.add_argument("--config", default=str(ROOT / "configs" / "bert_base_mlm_l512.yaml"), help="our BERT-base config")
-    p.add_argument("--per-chip", type=int, default=32, help="sequences per chip (default 32)")
-    p.add_argument("--length", type=int, default=512, help="sequence length (default 512)")
+    p.add_argument("--per-chip", type=count, default=32, help="sequences per chip (default 32)")
+    p.add_argument("--length", type=length, default=512,
+                   help=f"sequence length, 1 to BERT-base's {BERT_BASE['max_position_embeddings']} (default 512)")
     p.add_argument(
         "--fit", action="store_true", help="also the largest per-chip batch that fits (slow: one compile a probe)",
     )

@@ -138,13 +138,13 @@ def _runner(lp: int, r: int, causal: bool, window: int, interpret: bool, release
         kg = k.transpose(0, 2, 1, 3)  # [n, G, Lp, K]
         vg = v.transpose(0, 2, 1, 3)
 
-        if release:
-            one = _residuals_at_the_kernel(kernel)
-        else:
-            @functools.partial(jax.checkpoint, policy=jax.checkpoint_policies.save_only_these_names(RESIDUALS))
-            def one(qh: jax.Array, kh: jax.Array, vh: jax.Array, qi: jax.Array, ki: jax.Array) -> jax.Array:
-                return kernel(qh, kh, vh, segment_ids=splash_kernel.SegmentIds(q=qi, kv=ki))
+        def call(qh: jax.Array, kh: jax.Array, vh: jax.Array, qi: jax.Array, ki: jax.Array) -> jax.Array:
+            return kernel(qh, kh, vh, segment_ids=splash_kernel.SegmentIds(q=qi, kv=ki))
 
+        if release:
+            one = _residuals_at_the_kernel(call)
+        else:
+            one = jax.checkpoint(call, policy=jax.checkpoint_policies.save_only_these_names(RESIDUALS))
         per_head = jax.vmap(one, in_axes=(0, 0, 0, None, None))  # over G
         out = jax.vmap(per_head)(qg, kg, vg, q_ids, kv_ids)  # [n, G, R, Lp, K]
         return out.transpose(0, 3, 1, 2, 4).reshape(n, lp, h, kdim)
@@ -152,8 +152,8 @@ def _runner(lp: int, r: int, causal: bool, window: int, interpret: bool, release
     return run
 
 
-def _residuals_at_the_kernel(kernel: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
-    """The kernel on (q, k, v, q_ids, kv_ids), differentiated by splash's own backward, with what that backward
+def _residuals_at_the_kernel(call: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
+    """The kernel `call(q, k, v, q_ids, kv_ids)`, differentiated by splash's own backward, with what that backward
     reads (q, k, v, the output and each query's log-sum-exp [R, Lp]) made in the forward, next to the kernel.
 
     The kernel writes the log-sum-exp lane-wide, [R, Lp, 128] float32, and keeps column 0. XLA may move that
@@ -162,12 +162,9 @@ def _residuals_at_the_kernel(kernel: Callable[..., jax.Array]) -> Callable[..., 
     optimization barrier over the output and the sliced log-sum-exp makes the output wait for the slice, so
     the forward holds only that (a barrier over every residual, the kernel's mask tables included, stopped
     libtpu 0.0.42.1 with a failed check in its memory-space assignment for BERT-base at L 128, v5e-8); a
-    second one, over the residuals and the output's gradient,
-    keeps the backward from widening them to 128 lanes again ahead of time (without it a data-parallel step
-    widened several layers' at once, at the top of the backward pass)."""
-
-    def call(q: jax.Array, k: jax.Array, v: jax.Array, q_ids: jax.Array, kv_ids: jax.Array) -> jax.Array:
-        return kernel(q, k, v, segment_ids=splash_kernel.SegmentIds(q=q_ids, kv=kv_ids))
+    second one, over the residuals and the output's gradient, keeps the backward from widening them to 128
+    lanes again ahead of time (without it a data-parallel step widened several layers' at once, at the top of
+    the backward pass). Both shown by libtpu's compiler for v5e-8 on a CPU host, not run on a chip."""
 
     @jax.custom_vjp
     def attend(q: jax.Array, k: jax.Array, v: jax.Array, q_ids: jax.Array, kv_ids: jax.Array) -> jax.Array:

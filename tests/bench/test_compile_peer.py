@@ -36,3 +36,12 @@ def test_a_bad_target_is_one_line_and_exit_2(capsys: pytest.CaptureFixture[str])
     assert compile_peer.main(["--target", "v9z-8"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "v9z-8" in err[0]
+
+
+@pytest.mark.parametrize(("args", "says"), [(["--per-chip", "0"], "0 is not a count"),
+                                            (["--length", "1000"], "past BERT-base's 512 positions"),
+                                            (["--per-chip", "x"], "invalid count value")])
+def test_a_count_or_length_out_of_range_is_refused_before_any_compile(args: list[str], says: str,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    assert compile_peer.main(args) == 2
+    assert says in capsys.readouterr().err

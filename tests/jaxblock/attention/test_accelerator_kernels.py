@@ -166,7 +166,7 @@ def test_block_sizes_pad_to_the_lane_width() -> None:
 
 
 def _barrier_operands(jaxpr: Any) -> list[list[Any]]:
-    """The operand avals of every optimization_barrier in a closed jaxpr and the jaxprs it calls."""
+    """The operand avals of every optimization_barrier in a jaxpr and the jaxprs it calls."""
     found = []
     for eqn in jaxpr.eqns:
         if eqn.primitive.name == "optimization_barrier":
