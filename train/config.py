@@ -256,8 +256,8 @@ class MlmConfig(_Section):
                                  "its own [D, V] kernel.")
     transform: bool = Field(True, description="Dense+GELU+norm prediction transform before the output.")
     predictions_per_row: int | None = Field(
-        None, gt=0, description="P: chosen positions predicted per row (the rest dropped); null: "
-        "ceil(1.6 * rate * L) + 2, enough for whole-word masking's spread.")
+        None, gt=0, description="P: prediction slots per row; the masking chooses at most P tokens a row "
+        "(whole words, lowest scores first). null: ceil(1.6 * rate * L) + 2, room for the spread around rate * L.")
 
 
 class DiagnosticsConfig(_Section):

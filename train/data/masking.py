@@ -11,6 +11,10 @@ regular id (10%) or itself (10%). With whole-word masking, words are chosen inst
 random order while a word's midpoint stays within the example's budget) and every token of a chosen
 word is corrupted.
 
+A row holds at most `max_per_row` chosen tokens (the model's prediction slots, P): where a packed row's
+examples would choose more, the row keeps its chosen words in score order while they fit, so no chosen
+token goes unpredicted and a word is never split.
+
 Randomness comes from a counter-based hash of (seed, step, global row index, position), computed on the
 host in NumPy. A row's corruption therefore depends only on its global row index, never on how the
 global batch is split among processes or devices: 1 process x 8 devices and 2 processes x 4 mask the
@@ -21,13 +25,14 @@ pipeline (overlapping the step) rather than on the accelerator.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
 
 from train.data.tokenizer import BpeTokenizer, IdTokenizer, Tokenizer
 
-__all__ = ["MaskingSpec", "mask_batch", "word_start_table"]
+__all__ = ["MaskingSpec", "mask_batch", "prediction_slots", "word_start_table"]
 
 Batch = dict[str, np.ndarray]
 
@@ -45,6 +50,7 @@ class MaskingSpec:
     rate: fraction of regular tokens chosen per example; mask_fraction / random_fraction: the 80/10 split
       (the rest keep their id).
     word_starts: bool[V], True for ids that begin a word (whole-word masking); None = token masking.
+    max_per_row: at most this many chosen tokens a row (the model's P prediction slots); None: no cap.
     """
 
     mask_id: int
@@ -54,8 +60,11 @@ class MaskingSpec:
     mask_fraction: float = 0.8
     random_fraction: float = 0.1
     word_starts: np.ndarray | None = None
+    max_per_row: int | None = None
 
     def __post_init__(self) -> None:
+        if self.max_per_row is not None and self.max_per_row < 1:
+            raise ValueError(f"max_per_row={self.max_per_row} must be at least 1")
         if not 0.0 < self.rate < 1.0:
             raise ValueError(f"masking rate {self.rate} must lie in (0, 1)")
         if self.mask_fraction < 0 or self.random_fraction < 0 or self.mask_fraction + self.random_fraction > 1:
@@ -66,7 +75,8 @@ class MaskingSpec:
             raise ValueError(f"mask id {self.mask_id} lies among the regular ids: reserve it as a special id")
 
     @classmethod
-    def for_tokenizer(cls, tokenizer: Tokenizer, *, rate: float = 0.15, whole_word: bool = False) -> MaskingSpec:
+    def for_tokenizer(cls, tokenizer: Tokenizer, *, rate: float = 0.15, whole_word: bool = False,
+                      max_per_row: int | None = None) -> MaskingSpec:
         """The spec for one of train/data/tokenizer.py's tokenizers.
 
         A tokenizer with a `mask_id` attribute uses it; otherwise the mask id is appended after the
@@ -78,12 +88,20 @@ class MaskingSpec:
         if first <= mask_id < tokenizer.vocab_size:  # a mask token inside the vocabulary is one more special
             first = max(first, mask_id + 1)
         starts = word_start_table(tokenizer) if whole_word else None
-        return cls(mask_id, first, tokenizer.vocab_size, rate=rate, word_starts=starts)
+        return cls(mask_id, first, tokenizer.vocab_size, rate=rate, word_starts=starts, max_per_row=max_per_row)
 
     @property
     def model_vocab_size(self) -> int:
         """Rows the embedding needs to take every input this corruption can write."""
         return max(self.random_high, self.mask_id + 1)
+
+
+def prediction_slots(rate: float, length: int, configured: int | None = None) -> int:
+    """P, the masked-LM head's prediction slots for rows of `length` tokens: `configured`
+    (mlm.predictions_per_row), else ceil(1.6 * rate * length) + 2, room for the spread of the per-example
+    rounding and whole words around rate * length; never more than the row."""
+    p = configured or math.ceil(1.6 * rate * length) + 2
+    return max(1, min(p, length))
 
 
 def word_start_table(tokenizer: Tokenizer) -> np.ndarray | None:
@@ -121,9 +139,10 @@ def _uniform(seed: int, step: int, rows: np.ndarray, length: int, stream: int) -
 
 
 def _choose(score: np.ndarray, eligible: np.ndarray, group: np.ndarray, rate: float, jitter: np.ndarray,
-            word_start: np.ndarray | None) -> np.ndarray:
+            word_start: np.ndarray | None, max_per_row: int | None) -> np.ndarray:
     """bool[N, L]: per group of n eligible positions, the floor(rate*n + u) of lowest score (u uniform, so
-    the expected count is exactly rate*n); with word starts, whole words in score order until then."""
+    the expected count is exactly rate*n); with word starts, whole words in score order until then. Then
+    at most `max_per_row` a row (`_cap_rows`)."""
     flat = np.flatnonzero(eligible.ravel())
     if flat.size == 0:
         return np.zeros(eligible.shape, bool)
@@ -146,7 +165,32 @@ def _choose(score: np.ndarray, eligible: np.ndarray, group: np.ndarray, rate: fl
         taken = taken[np.flatnonzero(is_begin)][word] + (length[word] - 1) / 2
     chosen = np.zeros(eligible.size, bool)
     chosen[flat[order[taken < budget[sorted_group]]]] = True
-    return chosen.reshape(eligible.shape)
+    chosen = chosen.reshape(eligible.shape)
+    return chosen if max_per_row is None else _cap_rows(chosen, s.reshape(eligible.shape), max_per_row)
+
+
+def _cap_rows(chosen: np.ndarray, score: np.ndarray, cap: int) -> np.ndarray:
+    """bool[N, L]: of each row's chosen tokens, the words of lowest score while the row's count stays within
+    `cap`. A word's tokens share its score and sit side by side, so in (score, position) order they are
+    consecutive: a word is kept when its last token's place in that order is within the cap."""
+    rows, cols = np.nonzero(chosen)
+    per_row = np.bincount(rows, minlength=chosen.shape[0])
+    if per_row.max(initial=0) <= cap:
+        return chosen
+    order = np.lexsort((cols, score[rows, cols], rows))  # by row, then score, then position
+    rows, cols = rows[order], cols[order]
+    s = score[rows, cols]
+    first_of_row = np.concatenate([[0], np.cumsum(per_row)[:-1]])
+    place = np.arange(rows.size) - first_of_row[rows]  # 0-based place in the row's order
+    new_word = np.ones(rows.size, bool)
+    new_word[1:] = (rows[1:] != rows[:-1]) | (s[1:] != s[:-1])
+    word = np.cumsum(new_word) - 1
+    last_place = np.zeros(word[-1] + 1, np.int64)
+    np.maximum.at(last_place, word, place)
+    keep = last_place[word] < cap
+    capped = np.zeros_like(chosen)
+    capped[rows[keep], cols[keep]] = True
+    return capped
 
 
 def mask_batch(batch: Batch, spec: MaskingSpec, *, seed: int, step: int, row_offset: int = 0) -> Batch:
@@ -172,7 +216,7 @@ def mask_batch(batch: Batch, spec: MaskingSpec, *, seed: int, step: int, row_off
         in_table = spec.word_starts[np.clip(tokens, 0, len(spec.word_starts) - 1)]
         word_start = ~previous_same | in_table  # a word also starts after a special or a segment boundary
     chosen = _choose(_uniform(seed, step, rows, length, _CHOOSE), eligible, group, spec.rate,
-                     _uniform(seed, step, rows, length, _ROUND), word_start)
+                     _uniform(seed, step, rows, length, _ROUND), word_start, spec.max_per_row)
     action = _uniform(seed, step, rows, length, _ACTION)
     to_mask = chosen & (action < spec.mask_fraction)
     to_random = chosen & (action >= spec.mask_fraction) & (action < spec.mask_fraction + spec.random_fraction)

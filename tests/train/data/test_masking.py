@@ -135,3 +135,69 @@ def test_invariants_on_any_batch(rows: int, length: int, seed: int, step: int) -
     np.testing.assert_array_equal(out["tokens"][~chosen], tokens[~chosen])
     regular = (valid & (tokens >= 2)).sum(axis=1)
     assert np.all(np.abs(chosen.sum(axis=1) - spec.rate * regular) < 1)
+
+
+def test_a_row_never_holds_more_chosen_tokens_than_its_prediction_slots() -> None:
+    """max_per_row caps each row; a capped row keeps whole words, the lowest-scored ones, and rows within the
+    cap are masked exactly as without it."""
+    batch = packed_batch(seed=5, rows=128)
+    starts = np.random.default_rng(1).random(V + 1) < 0.4
+    free_spec = MaskingSpec(mask_id=V, first_regular_id=2, random_high=V, word_starts=starts)
+    free = mask_batch(batch, free_spec, seed=2, step=3)["mlm_weights"] > 0
+    counts = free.sum(axis=1)
+    cap = int(np.percentile(counts, 30))  # most rows over it, some not
+    assert (counts > cap).any() and (counts <= cap).any()
+    capped_spec = MaskingSpec(mask_id=V, first_regular_id=2, random_high=V, word_starts=starts, max_per_row=cap)
+    out = mask_batch(batch, capped_spec, seed=2, step=3)
+    capped = out["mlm_weights"] > 0
+    assert capped.sum(axis=1).max() <= cap
+    assert not (capped & ~free).any()  # the cap only drops
+    within = counts <= cap
+    np.testing.assert_array_equal(capped[within], free[within])
+    longest_word = max(len(w) for w in "".join("s" if x else "c" for x in starts[batch["tokens"]].ravel())
+                       .split("s"))  # continuations in a row: a word is at most one more
+    assert (capped.sum(axis=1)[~within] > cap - longest_word - 1).all()  # filled but for the word that overflows
+    np.testing.assert_array_equal(out["tokens"][~capped], batch["tokens"][~capped])  # dropped: not corrupted
+    regular = batch["valid_tokens"] & (batch["tokens"] >= 2)
+    seg = batch["segment_ids"]
+    for r in np.flatnonzero(~within):  # still whole words: a continuation goes with the token before it
+        for j in range(1, seg.shape[1]):
+            if regular[r, j] and regular[r, j - 1] and seg[r, j] == seg[r, j - 1] and not starts[batch["tokens"][r, j]]:
+                assert capped[r, j] == capped[r, j - 1]
+
+
+def test_token_masking_under_a_cap_keeps_the_lowest_scores() -> None:
+    """Without word starts every token is a word of its own: a capped row holds exactly the cap, and those
+    are the chosen tokens a larger cap would also keep (the order does not depend on the cap)."""
+    batch = packed_batch(seed=6, rows=32)
+    small = mask_batch(batch, MaskingSpec(mask_id=V, first_regular_id=2, random_high=V, max_per_row=5),
+                       seed=0, step=0)["mlm_weights"] > 0
+    large = mask_batch(batch, MaskingSpec(mask_id=V, first_regular_id=2, random_high=V, max_per_row=9),
+                       seed=0, step=0)["mlm_weights"] > 0
+    assert (small.sum(axis=1) == 5).all() and (large.sum(axis=1) <= 9).all()
+    assert not (small & ~large).any()
+    with pytest.raises(ValueError, match="max_per_row=0"):
+        MaskingSpec(mask_id=V, first_regular_id=2, random_high=V, max_per_row=0)
+
+
+def test_the_corpus_spec_caps_rows_at_the_task_prediction_slots() -> None:
+    """load_corpus's masking and the task's select_positions use one P (prediction_slots): a run's rows never
+    choose more tokens than the head predicts."""
+    from tests.conftest import ROOT
+    from train.config import load_config
+    from train.data.batches import StreamBatches
+    from train.data.masking import prediction_slots
+    from train.data.pretrain import load_corpus
+    from train.tasks.mlm import MaskedLMTask
+
+    assert prediction_slots(0.15, 512) == 125 and prediction_slots(0.15, 512, 80) == 80
+    assert prediction_slots(0.15, 4, 80) == 4 and prediction_slots(0.5, 1) == 1
+    config = load_config(ROOT / "configs" / "pretrain_tiny.yaml", [
+        "mlm.predictions_per_row=3", "data.corpus_bytes=200000", "data.bpe_sample_bytes=100000", "data.prefetch=none"])
+    corpus = load_corpus(config, tokenizer_dir=None)
+    assert corpus.masking.max_per_row == MaskedLMTask.from_config(config).predictions(config.data.max_len) == 3
+    source = StreamBatches(corpus, config)
+    try:
+        assert (source.batch(0)["mlm_weights"].sum(axis=1) == 3).mean() > 0.5  # capped, not emptied
+    finally:
+        source.close()
