@@ -15,7 +15,8 @@ every chip, XLA's attention, dropout 0.1; remat is its `gradient_checkpointing`.
 Ours is `--config` (default configs/bert_base_mlm_l512.yaml) in its own layout and in the other of data
 parallel and FSDP: the
 same shapes (BERT-base, vocabulary 30522, L 512), bfloat16 compute, float32 parameters, splash attention on a
-TPU and cuDNN on a GPU, logits only at the chosen positions; remat is model.remat=full (and dots). Both steps
+TPU and cuDNN on a GPU, logits only at the chosen positions (the config's mlm.predictions_per_row slots a row);
+remat is model.remat=full (and dots). --remat none or on compiles one half of the table. Both steps
 are compiled for the same target (train/aot/targets.py) and reported per chip: arguments, temporaries, the
 compiler's peak, whether it fits; with --fit, the largest per-chip batch that fits for each (train/aot/fit.py's
 search, one compile per probe). The table goes to stdout and, with --record, to bench/records/.
@@ -218,6 +219,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--no-dots", action="store_true",
                    help="with remat, ours with model.remat=full only (default: also dots)")
+    p.add_argument("--remat", choices=("none", "on", "both"), default="both",
+                   help="the rows without rematerialization, with it, or both (default both)")
     p.add_argument("--own-layout-only", action="store_true",
                    help="ours in the config's layout only (default: also in the other of data parallel and FSDP)")
     p.add_argument("--peer-dir", type=Path, default=PEER_DIR, help=f"where transformers 4.46.3 is (default {PEER_DIR})")
@@ -256,7 +259,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     usable = targets.usable_bytes(target, devices[0])
     ours_policies = ("full",) if args.no_dots else ("full", "dots")
-    for remat, ours_remat in ((False, ("none",)), (True, ours_policies)):
+    sides = {"none": ((False, ("none",)),), "on": ((True, ours_policies),)}
+    for remat, ours_remat in sides.get(args.remat, sides["none"] + sides["on"]):
         rows.append(peer_row(transformers, devices, target, args.per_chip, args.length, remat))
         if args.fit:
             rows[-1].largest = largest(lambda n, r=remat: peer_row(transformers, devices, target, n, args.length, r),

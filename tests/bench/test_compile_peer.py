@@ -45,3 +45,9 @@ def test_a_count_or_length_out_of_range_is_refused_before_any_compile(args: list
                                                                       capsys: pytest.CaptureFixture[str]) -> None:
     assert compile_peer.main(args) == 2
     assert says in capsys.readouterr().err
+
+
+def test_an_unknown_remat_half_is_one_line_and_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert compile_peer.main(["--remat", "some"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()  # argparse: its usage, then one error line
+    assert err[-1].startswith("python -m bench.compile_peer: error: argument --remat") and "'some'" in err[-1]
