@@ -300,7 +300,7 @@ def _main(argv: list[str], whole_process: bool) -> int:
         if name in platforms.AHEAD_OF_TIME:
             platforms.start_jax()
     _quiet_libraries()
-    from train.interrupts import run_interruptible
+    from train.interrupts import RESUMABLE, run_interruptible
 
     def run(interrupts: Any) -> int:
         try:
@@ -319,7 +319,8 @@ def _main(argv: list[str], whole_process: bool) -> int:
                 _silence_exit_noise()
             return next(code for kind, code in EXIT_CODES.items() if isinstance(err, kind))
 
-    return run_interruptible(run)
+    no_workdir = command in (cmd_compile, cmd_lower, cmd_schema, cmd_embed)
+    return run_interruptible(run, after=None if no_workdir else RESUMABLE)
 
 
 if __name__ == "__main__":

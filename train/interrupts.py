@@ -193,14 +193,17 @@ def _exit_now() -> None:
     os._exit(INTERRUPTED_EXIT)
 
 
+RESUMABLE = "checkpoints already saved in the workdir are intact (rerun the same command to continue)"
+
+
 def run_interruptible(command: Callable[[Interrupts], int], *, install: bool = True,
-                      stream: TextIO | None = None) -> int:
-    """Run `command(interrupts)` under the policy; an interrupt becomes one line and exit code 130."""
+                      stream: TextIO | None = None, after: str | None = RESUMABLE) -> int:
+    """Run `command(interrupts)` under the policy; an interrupt becomes one line and exit code 130. `after`
+    ends the line (None for a command with no workdir, such as `compile`)."""
     interrupts = Interrupts(install=install, stream=stream)
     try:
         with interrupts:
             return command(interrupts)
     except KeyboardInterrupt:
-        interrupts._say(f"interrupted during {interrupts.phase}: stopped; checkpoints already saved in the "
-                        "workdir are intact (rerun the same command to continue)")
+        interrupts._say(f"interrupted during {interrupts.phase}: stopped" + (f"; {after}" if after else ""))
         return INTERRUPTED_EXIT

@@ -31,8 +31,11 @@ def test_outside_the_loop_a_signal_is_one_line_and_exit_130():
 
     assert run_interruptible(command, stream=out) == INTERRUPTED_EXIT
     (line,) = out.getvalue().splitlines()
-    assert line.startswith("interrupted during compile: stopped")
+    assert line.startswith("interrupted during compile: stopped; checkpoints already saved")
     assert signal.getsignal(signal.SIGINT) is before  # restored
+    out = io.StringIO()  # a command with no workdir (`compile`, `lower`) speaks of none
+    assert run_interruptible(command, stream=out, after=None) == INTERRUPTED_EXIT
+    assert out.getvalue() == "interrupted during compile: stopped\n"
 
 
 def test_in_the_loop_the_first_signal_requests_a_stop_and_the_second_stops_now():
