@@ -184,7 +184,8 @@ def _resolve_data_shapes(config: Config) -> tuple[Config, list[str]]:
         labels = list(SENTIMENT_LABELS)
     else:
         labels = ["0", "1"]
-        notes.append(f"classes: 2 assumed (data.labels is not set and data.path={data.path} is not read)")
+        if task.predicts_labels:  # a masked-LM or regression head has no classes to assume
+            notes.append(f"classes: 2 assumed (data.labels is not set and data.path={data.path} is not read)")
     return task.resolve_shapes(config, vocab, labels), notes
 
 

@@ -38,3 +38,17 @@ def test_without_live_ranges_there_is_no_figure(tmp_path: Path) -> None:
     (tmp_path / "module_0001.jit_train.live-range.txt").write_text("HloLiveRange (max 3):\n")
     assert MemoryReport(str(tmp_path)).live_at_peak() is None
     assert MemoryReport(str(tmp_path / "none")).largest() == []
+
+
+def test_only_a_classifier_is_told_its_classes_were_assumed() -> None:
+    """The resolved shapes note 2 assumed classes for a classifier whose labels are unknown, never for the
+    masked-LM head, which has none."""
+    from tests.conftest import ROOT
+    from train.aot import shapes
+
+    mlm = shapes.resolve(str(ROOT / "configs" / "bert_base_mlm_l512.yaml"), [], 8, fixed_devices=True)
+    assert not any(note.startswith("classes") for note in mlm.notes)
+    assert any(note.startswith("vocabulary: 30522") for note in mlm.notes)
+    own = shapes.resolve(str(ROOT / "configs" / "tiny.yaml"), ["data.source=file", "data.path=x.csv"], 8,
+                         fixed_devices=True)
+    assert any(note.startswith("classes: 2 assumed") for note in own.notes)
