@@ -169,15 +169,16 @@ def row(cell: Cell) -> str:
             f"{_kernels(r)} | {collectives} | {cell.seconds:.0f} |")
 
 
-def markdown(cells: list[Cell], seconds: float, overrides: tuple[str, ...] = (), kept: int = 0) -> str:
-    """The record: `seconds` is the cells' compile time summed (those of an earlier run's --cells file included)."""
+def markdown(cells: list[Cell], seconds: float, arguments: tuple[str, ...] = (), kept: int = 0) -> str:
+    """The record: `arguments`, the command's own (so the line that wrote it runs it again); `seconds`, the
+    cells' compile time summed (those of an earlier run's --cells file included)."""
     import jax
 
     bad = [c for c in cells if not c.ok]
     lines = [
         "# Compiled for the chips on a CPU host: configs x targets x layouts",
         "",
-        f"Written by `python -m bench.compile_grid{''.join(' ' + o for o in overrides)}`.",
+        f"Written by `python -m bench.compile_grid{''.join(' ' + a for a in arguments)}`.",
         "Each cell: `python -m train compile --json` (the TPU compiler of",
         "libtpu, or XLA's GPU compiler with the chip's target configuration, on compile-only devices). Memory per",
         "chip in GiB from the compiler's analysis: arguments / temporaries / peak, of the chip's usable memory.",
@@ -261,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
                 cells.append(cell)
     if kept:
         print(f"{kept} of {len(cells)} cells from {cells_file}, not compiled again", file=sys.stderr)
-    shown = ((f"--layers {args.layers}",) if args.layers else ()) + tuple(args.overrides)
+    shown = tuple(argv if argv is not None else sys.argv[1:])
     text = markdown(cells, sum(c.seconds for c in cells), shown, kept)
     out = args.out or str(free_name(f"compile-grid-{datetime.date.today().isoformat()}"))
     if out == "-":

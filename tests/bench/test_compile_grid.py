@@ -87,6 +87,7 @@ def test_cells_file_keeps_each_cell_and_a_second_run_compiles_only_the_rest(monk
     text = out.read_text()
     assert "| tiny | v5e-8 | data=8 |" in text and "| tiny | v6e-8 | data=8 |" in text
     assert "1 cells from an earlier run's --cells file" in text
+    assert f"Written by `python -m bench.compile_grid {' '.join(argv)}`." in text  # the command, to run again
     assert len(cells.read_text().splitlines()) == 2
     # Another depth or override is another cell: compiled, not taken from the file; then kept like the rest.
     assert compile_grid.main([*argv, "--layers", "1"]) == 0 and len(compiled) == 5
