@@ -118,6 +118,8 @@ def run_cell(
                     overrides)
     seconds = time.perf_counter() - start
     report = json.loads(proc.stdout) if proc.stdout.strip().startswith("{") else None
+    if report is not None and "crashed" in report:  # the compiler's native code aborted (train/aot/isolate.py)
+        return Cell(config.stem, target, layout, proc.returncode, None, report["error"][:300], seconds, overrides)
     problem = "" if proc.returncode == 0 else (proc.stderr.strip().splitlines() or ["(no message)"])[-1][:200]
     if report is not None and proc.returncode == 1:
         problem = "does not fit" if not report["fits"] else "a promised kernel is missing"

@@ -40,6 +40,17 @@ def test_a_cell_runs_train_compile_with_its_layout_and_overrides_and_makes_one_r
         "all-reduce 2 | 0 |")
 
 
+def test_a_compiler_crash_is_a_row_that_says_so(monkeypatch: Any) -> None:
+    """`compile --json` answers a native abort with {"error", "crashed", "report"} (train/aot/isolate.py)."""
+    crash = {"error": "error: the compiler crashed (SIGABRT) compiling: F1206 x.cc:1] Check failed: a <= b. ...",
+             "crashed": "SIGABRT", "report": "/tmp/r.log"}
+    monkeypatch.setattr(subprocess, "run", lambda command, **kw: subprocess.CompletedProcess(
+        command, 1, stdout=json.dumps(crash), stderr=crash["error"] + "\n"))
+    cell = compile_grid.run_cell(Path("configs/tiny.yaml"), "v5e-8", "dp", "python", 60)
+    assert cell.code == 1 and cell.report is None and "crashed (SIGABRT)" in cell.problem
+    assert compile_grid.row(cell).startswith("| tiny | v5e-8 | dp | no | - | - | - | error: the compiler crashed")
+
+
 def test_an_unknown_config_is_one_line_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert compile_grid.main(["--configs", "nope"]) == 2
     assert "unknown config or layout 'nope'" in capsys.readouterr().err

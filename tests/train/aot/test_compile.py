@@ -164,17 +164,8 @@ def test_two_slices_compile_with_the_batch_split_over_both(capsys):
     assert code == 0 and report["chips"] == 16 and report["hosts"] == 2 and report["slices"] == 2
 
 
-# --- the GPU compiler: its own venv (the CUDA plugin beside libtpu would start on every JAX import) ---------------
-
-
-@pytest.fixture(scope="session")
-def gpu_python() -> str:
-    """The GPU compiler's venv (.venv-gpu at the checkout's root), created as docs/accelerators.md says if absent."""
-    venv = ROOT / ".venv-gpu"
-    python = venv / "bin" / "python"
-    if not python.exists():
-        subprocess.run([str(ROOT / "bench" / "gpu_compiler_venv.sh"), str(venv)], check=True, timeout=1800)
-    return str(python)
+# --- the GPU compiler: its own venv (the CUDA plugin beside libtpu would start on every JAX import; the gpu_python
+# fixture, tests/train/aot/conftest.py) -----------------------------------------------------------------------------
 
 
 @pytest.mark.slow

@@ -13,9 +13,11 @@ from tests.conftest import ROOT
 from train.aot import isolate
 
 # A child as `compile` runs: child_setup first, a Python progress line, then native code's report on fd 2.
-CHILD = ("import os, sys; from train.aot import isolate; isolate.child_setup(); print('probe 1: fits', file=sys.stderr, "
-         "flush=True); os.write(2, b'W1206 noise.cc:1] a native warning\\n'); {end}")
-CHECK = "F1206 20:00:00.000 1 memory_bound_loop_optimizer.cc:198] Check failed: begin_idx_in_loop <= end_idx_in_loop"
+CHILD = ("import os, sys; from train.aot import isolate; isolate.child_setup(); "
+         "print('probe 1: fits', file=sys.stderr, flush=True); "
+         "os.write(2, b'W1206 noise.cc:1] a native warning\\n'); {end}")
+CHECK = ("F1206 20:00:00.000 1 memory_bound_loop_optimizer.cc:198] Check failed: "
+         "begin_idx_in_loop <= end_idx_in_loop")
 
 
 def _run(end: str, capfd: pytest.CaptureFixture[str], **kw: bool) -> tuple[int, str, str]:
