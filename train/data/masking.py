@@ -163,9 +163,9 @@ def _choose(score: np.ndarray, eligible: np.ndarray, group: np.ndarray, rate: fl
         word = np.cumsum(is_begin) - 1
         length = np.bincount(word)
         taken = taken[np.flatnonzero(is_begin)][word] + (length[word] - 1) / 2
-    chosen = np.zeros(eligible.size, bool)
-    chosen[flat[order[taken < budget[sorted_group]]]] = True
-    chosen = chosen.reshape(eligible.shape)
+    flat_chosen = np.zeros(eligible.size, bool)
+    flat_chosen[flat[order[taken < budget[sorted_group]]]] = True
+    chosen = flat_chosen.reshape(eligible.shape)
     return chosen if max_per_row is None else _cap_rows(chosen, s.reshape(eligible.shape), max_per_row)
 
 
