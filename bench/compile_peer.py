@@ -288,4 +288,5 @@ if __name__ == "__main__":
     from train import platforms
 
     platforms.choose("compile")
+    platforms.start_jax()  # the CUDA plugin's expected start-up lines on a host without a GPU held back
     sys.exit(main())
