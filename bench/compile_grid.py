@@ -16,6 +16,8 @@ bench/gpu_compiler_venv.sh). The table goes to bench/records/compile-grid-<date>
 `--cells FILE` keeps each cell as it ends, one JSON line, and a later run with the same FILE compiles only the
 cells not in it (same config, target, layout and overrides): a grid of hundreds of cells, minutes each on a
 small host, runs in pieces and survives an interrupted run; the table is written from every cell of the grid.
+`--kept-only` compiles nothing and writes the table of the cells the file holds so far (exit 1 while some of
+the grid's cells are not there yet).
 
 `--layers N` compiles each config with its first N layers (`model.num_layers=N` and each per-layer list of
 `model.layers` cut to its first N entries): every layer kind, kernel and layout of the full model, at a
@@ -171,7 +173,8 @@ def row(cell: Cell) -> str:
             f"{_kernels(r)} | {collectives} | {cell.seconds:.0f} |")
 
 
-def markdown(cells: list[Cell], seconds: float, arguments: tuple[str, ...] = (), kept: int = 0) -> str:
+def markdown(cells: list[Cell], seconds: float, arguments: tuple[str, ...] = (), kept: int = 0,
+             missing: int = 0) -> str:
     """The record: `arguments`, the command's own (so the line that wrote it runs it again); `seconds`, the
     cells' compile time summed (those of an earlier run's --cells file included)."""
     import jax
@@ -188,7 +191,9 @@ def markdown(cells: list[Cell], seconds: float, arguments: tuple[str, ...] = (),
         "",
         f"{datetime.date.today().isoformat()}, {platform.machine()}, jax {jax.__version__}: {len(cells)} cells, "
         f"{len(cells) - len(bad)} ok, {len(bad)} not, {seconds / 60:.0f} minutes"
-        + (f" ({kept} cells from an earlier run's --cells file)." if kept else "."),
+        + (f" ({kept} cells from an earlier run's --cells file)." if kept else ".")
+        + (f" Not compiled yet: {missing} cells of this grid (--kept-only; run the command without it to go on)."
+           if missing else ""),
         "",
         "| config | target | mesh | compiled | GiB per chip | fits | kernels | collectives (train) | s |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
@@ -212,6 +217,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="", help="Markdown file, or - (default bench/records/compile-grid-<date>.md)")
     p.add_argument("--cells", default="", metavar="FILE",
                    help="keep each cell in FILE (JSON lines) as it ends; cells already there are not compiled again")
+    p.add_argument("--kept-only", action="store_true",
+                   help="with --cells: compile nothing, write the table of the cells the file holds so far")
     p.add_argument("overrides", nargs="*", help="key=value for every cell (e.g. train.batch_size=256 for v5e-256)")
     try:
         args = p.parse_args(argv)
@@ -235,6 +242,10 @@ def main(argv: list[str] | None = None) -> int:
               "bench/gpu_compiler_venv.sh, or pass --gpu-python", file=sys.stderr)
         return 2
     cells_file = Path(args.cells) if args.cells else None
+    if args.kept_only and cells_file is None:
+        print("python -m bench.compile_grid: --kept-only writes the table of a --cells file: pass --cells FILE",
+              file=sys.stderr)
+        return 2
     try:
         done = load_cells(cells_file) if cells_file else {}
         if cells_file:
@@ -246,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"python -m bench.compile_grid: --cells {cells_file}: {err.strerror or err}: give a file in a "
               "writable folder", file=sys.stderr)
         return 2
-    cells, kept = [], 0
+    cells, kept, missing = [], 0, 0
     for name in names:
         for target in targets:
             for layout in layouts:
@@ -256,6 +267,9 @@ def main(argv: list[str] | None = None) -> int:
                 cell = done.get((name, target, layout, overrides))
                 if cell is not None:
                     kept += 1
+                elif args.kept_only:
+                    missing += 1
+                    continue
                 else:
                     cell = run_cell(every[name], target, layout, python, args.timeout, overrides)
                     if cells_file:
@@ -265,14 +279,14 @@ def main(argv: list[str] | None = None) -> int:
     if kept:
         print(f"{kept} of {len(cells)} cells from {cells_file}, not compiled again", file=sys.stderr)
     shown = tuple(argv if argv is not None else sys.argv[1:])
-    text = markdown(cells, sum(c.seconds for c in cells), shown, kept)
+    text = markdown(cells, sum(c.seconds for c in cells), shown, kept, missing)
     out = args.out or str(free_name(f"compile-grid-{datetime.date.today().isoformat()}"))
     if out == "-":
         print(text)
     else:
         Path(out).write_text(text)
         print(f"wrote {out}", file=sys.stderr)
-    return 0 if all(c.ok for c in cells) else 1
+    return 0 if all(c.ok for c in cells) and not missing else 1
 
 
 if __name__ == "__main__":

@@ -106,6 +106,20 @@ def test_cells_file_keeps_each_cell_and_a_second_run_compiles_only_the_rest(monk
     assert compile_grid.main([*argv, "train.batch_size=64"]) == 0 and len(compiled) == 7
 
 
+def test_kept_only_writes_the_table_of_the_cells_so_far_and_compiles_nothing(monkeypatch: Any, tmp_path: Path,
+                                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    cells, out = tmp_path / "grid.jsonl", tmp_path / "grid.md"
+    compile_grid.keep_cell(cells, compile_grid.Cell("tiny", "v5e-8", "config", 0, REPORT, "", 1.5, ()))
+    monkeypatch.setattr(compile_grid, "run_cell", lambda *a, **k: pytest.fail("--kept-only compiled a cell"))
+    argv = ["--configs", "tiny", "--targets", "v5e-8,v6e-8", "--cells", str(cells), "--out", str(out), "--kept-only"]
+    assert compile_grid.main(argv) == 1  # a cell of the grid is not there yet
+    text = out.read_text()
+    assert "| tiny | v5e-8 | data=8 |" in text and "| tiny | v6e-8 |" not in text
+    assert "Not compiled yet: 1 cells of this grid" in text
+    assert compile_grid.main(["--configs", "tiny", "--kept-only"]) == 2
+    assert "pass --cells FILE" in capsys.readouterr().err
+
+
 def test_a_cells_file_of_something_else_is_one_line_exit_2_and_left_as_it_was(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
