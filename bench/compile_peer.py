@@ -27,13 +27,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from bench.record_files import free_name
+from bench.record_files import write_record
 
 ROOT = Path(__file__).resolve().parents[1]
 PEER_DIR = ROOT / ".peer" / "transformers-4.46.3"
@@ -277,10 +276,8 @@ def main(argv: list[str] | None = None) -> int:
     text = render(rows, target.name, devices[0].device_kind, usable, args.length)
     print(text)
     if args.record:
-        out = free_name(f"compile-peer-{target.name}-{datetime.date.today().isoformat()}")
-        out.write_text(f"# Memory per chip against transformers' Flax BERT\n\nWritten by `python -m bench.compile_peer "
-                       f"{' '.join(argv if argv is not None else sys.argv[1:])}`.\n\n{text}\n")
-        print(f"wrote {out}", file=sys.stderr)
+        write_record(f"compile-peer-{target.name}", "Memory per chip against transformers' Flax BERT",
+                     "python -m bench.compile_peer", argv, text)
     return 0
 
 

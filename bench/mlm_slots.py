@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from bench.record_files import free_name
+from bench.record_files import write_record
 
 
 def chosen_counts(config: Any, batches: int) -> dict[str, np.ndarray]:
@@ -101,10 +100,8 @@ def main(argv: list[str] | None = None) -> int:
                   prediction_slots(rate, length), length)
     print(text)
     if args.record:
-        out = free_name(f"mlm-slots-{Path(args.config).stem}-{datetime.date.today().isoformat()}")
-        out.write_text(f"# Chosen tokens a row against the prediction slots\n\nWritten by `python -m bench.mlm_slots "
-                       f"{' '.join(argv if argv is not None else sys.argv[1:])}`.\n\n{text}\n")
-        print(f"wrote {out}", file=sys.stderr)
+        write_record(f"mlm-slots-{Path(args.config).stem}", "Chosen tokens a row against the prediction slots",
+                     "python -m bench.mlm_slots", argv, text)
     return 0
 
 

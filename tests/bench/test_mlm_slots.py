@@ -41,3 +41,14 @@ def test_bad_input_is_one_line_and_exit_2(argv: list[str], says: str, capsys: py
     assert mlm_slots.main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and says in err[0]
+
+
+def test_record_names_the_command_that_wrote_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from bench import record_files
+
+    monkeypatch.setattr(record_files, "RECORDS", tmp_path)
+    monkeypatch.setattr(record_files.free_name, "__defaults__", (tmp_path,))
+    first = record_files.write_record("mlm-slots-c", "Title", "python -m bench.mlm_slots", ["--config", "c"], "body")
+    second = record_files.write_record("mlm-slots-c", "Title", "python -m bench.mlm_slots", ["--config", "c"], "b")
+    assert first.read_text() == "# Title\n\nWritten by `python -m bench.mlm_slots --config c`.\n\nbody\n"
+    assert second != first and second.name.endswith("-2.md")  # a record is never overwritten
