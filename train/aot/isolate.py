@@ -9,7 +9,8 @@ keeps Python's own messages (the progress lines, the one-line errors) on the use
 - the child exits: its exit code is the command's; what native code wrote is passed on (the plugins' expected
   start-up lines held back, train/platforms.py) and the file is removed;
 - the child is killed by a signal: one line, "the compiler crashed (SIGABRT) ...", with the native report's
-  first fatal line and the file that keeps the whole report, exit 1 (the compiler refused the program).
+  first fatal line and the file that keeps the whole report, exit 1 (the compiler refused the program); for
+  SIGKILL, which no compiler sends itself, the line names the likelier cause, the host's out-of-memory killer.
   With --json, stdout also gets one object saying so.
 
 SIGINT and SIGTERM reach the child (the terminal sends Ctrl-C to both; a SIGTERM to the parent is passed on):
@@ -86,9 +87,14 @@ def run(command: list[str], *, json_out: bool = False, what: str = "compiling") 
         return 128 - code
     fatal = next((line.strip() for line in text.splitlines() if _FATAL.match(line)), "")
     reason = f": {fatal[:300]}" if fatal else ""
-    line = (f"error: the compiler crashed ({name}) {what}{reason}. A fault in the compiler's native code, not in "
-            f"the config: try another --layout or model.remat, or another jax/libtpu version; its whole report "
-            f"is in {report}")
+    if name == "SIGKILL":  # not the compiler's doing: the kernel's out-of-memory killer, or a kill -9
+        line = (f"error: the compile was killed (SIGKILL) {what}, most likely by this host's out-of-memory killer: "
+                f"compile on a host with more memory, or fewer layers (model.num_layers) to see the layout; what it "
+                f"wrote is in {report}")
+    else:
+        line = (f"error: the compiler crashed ({name}) {what}{reason}. A fault in the compiler's native code, not "
+                f"in the config: try another --layout or model.remat, or another jax/libtpu version; its whole "
+                f"report is in {report}")
     if json_out:
         print(json.dumps({"error": line, "crashed": name, "report": str(report)}))
     print(line, file=sys.stderr)

@@ -47,6 +47,14 @@ def test_with_json_the_crash_is_an_object_on_stdout_too(capfd: pytest.CaptureFix
     Path(report["report"]).unlink()
 
 
+def test_a_killed_child_is_one_line_naming_the_out_of_memory_killer(capfd: pytest.CaptureFixture[str]) -> None:
+    code, out, err = _run("os.kill(os.getpid(), 9)", capfd)
+    assert out == ""
+    lines = err.strip().splitlines()
+    assert code == 1 and len(lines) == 2 and "killed (SIGKILL)" in lines[1] and "out-of-memory killer" in lines[1]
+    Path(lines[1].rsplit(" ", 1)[1]).unlink()
+
+
 def test_a_child_that_exits_gives_its_code_and_native_lines_and_leaves_no_file(capfd: pytest.CaptureFixture[str],
                                                                                tmp_path: Path) -> None:
     before = set(Path(isolate.tempfile.gettempdir()).glob("jaxblock-compiler-report-*"))
