@@ -237,15 +237,15 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     targets = [t for t in args.targets.split(",") if t]
     gpu = [t for t in targets if t.startswith(("h100", "h200", "a100", "b200"))]
-    if gpu and not Path(args.gpu_python).exists():
+    if args.kept_only and not args.cells:
+        print("python -m bench.compile_grid: --kept-only writes the table of a --cells file: pass --cells FILE",
+              file=sys.stderr)
+        return 2
+    if gpu and not args.kept_only and not Path(args.gpu_python).exists():  # --kept-only compiles nothing
         print(f"python -m bench.compile_grid: {', '.join(gpu)} need the GPU compiler's venv: run "
               "bench/gpu_compiler_venv.sh, or pass --gpu-python", file=sys.stderr)
         return 2
     cells_file = Path(args.cells) if args.cells else None
-    if args.kept_only and cells_file is None:
-        print("python -m bench.compile_grid: --kept-only writes the table of a --cells file: pass --cells FILE",
-              file=sys.stderr)
-        return 2
     try:
         done = load_cells(cells_file) if cells_file else {}
         if cells_file:

@@ -118,6 +118,8 @@ def test_kept_only_writes_the_table_of_the_cells_so_far_and_compiles_nothing(mon
     assert "Not compiled yet: 1 cells of this grid" in text
     assert compile_grid.main(["--configs", "tiny", "--kept-only"]) == 2
     assert "pass --cells FILE" in capsys.readouterr().err
+    # it compiles nothing, so GPU targets need no GPU compiler's venv
+    assert compile_grid.main([*argv, "--targets", "h100-8", "--gpu-python", str(tmp_path / "none")]) == 1
 
 
 def test_a_cells_file_of_something_else_is_one_line_exit_2_and_left_as_it_was(
