@@ -52,7 +52,7 @@ def child_setup() -> None:
     os.close(fd)
 
 
-def run(command: list[str], *, json_out: bool = False, what: str = "compiling") -> int:
+def run(command: list[str], *, json_out: bool = False) -> int:
     """Run `command` (a whole `python -m train compile ...` line) as the child; its exit code, or 1 and one
     line if native code killed it."""
     handle, name = tempfile.mkstemp(prefix="jaxblock-compiler-report-", suffix=".log")
@@ -88,11 +88,11 @@ def run(command: list[str], *, json_out: bool = False, what: str = "compiling") 
     fatal = next((line.strip() for line in text.splitlines() if _FATAL.match(line)), "")
     reason = f": {fatal[:300]}" if fatal else ""
     if name == "SIGKILL":  # not the compiler's doing: the kernel's out-of-memory killer, or a kill -9
-        line = (f"error: the compile was killed (SIGKILL) {what}, most likely by this host's out-of-memory killer: "
+        line = (f"error: the compile was killed (SIGKILL), most likely by this host's out-of-memory killer: "
                 f"compile on a host with more memory, or fewer layers (model.num_layers) to see the layout; what it "
                 f"wrote is in {report}")
     else:
-        line = (f"error: the compiler crashed ({name}) {what}{reason}. A fault in the compiler's native code, not "
+        line = (f"error: the compiler crashed ({name}) compiling{reason}. A fault in the compiler's native code, not "
                 f"in the config: try another --layout or model.remat, or another jax/libtpu version; its whole "
                 f"report is in {report}")
     if json_out:

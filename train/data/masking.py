@@ -185,8 +185,7 @@ def _cap_rows(chosen: np.ndarray, score: np.ndarray, cap: int) -> np.ndarray:
     new_word = np.ones(rows.size, bool)
     new_word[1:] = (rows[1:] != rows[:-1]) | (s[1:] != s[:-1])
     word = np.cumsum(new_word) - 1
-    last_place = np.zeros(word[-1] + 1, np.int64)
-    np.maximum.at(last_place, word, place)
+    last_place = place[np.append(np.flatnonzero(new_word)[1:], rows.size) - 1]  # the token before the next word
     keep = last_place[word] < cap
     capped = np.zeros_like(chosen)
     capped[rows[keep], cols[keep]] = True
