@@ -17,6 +17,7 @@ as an untied LeCun-initialised kernel does.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import chex
 import flax.linen as nn
@@ -60,6 +61,10 @@ class MaskedLM(nn.Module):
     transform: BERT's prediction transform (dense D->D, GELU, norm) before the projection; it gives the
       MLM objective its own layer, so the encoder's last block need not serve as a word predictor.
     Padding never influences a real position (attention masks it) and `mlm_loss` ignores filler slots.
+
+    With `targets` (int[N, P], the original ids at `positions`) it returns (losses float32[N, P], predicted
+    int32[N, P]) instead of the logits: `chunked_cross_entropy` in `chunks` groups of slots, the logits made
+    again in the backward pass rather than kept for it (what a training step needs, in less memory).
     """
 
     config: EncoderConfig
@@ -75,7 +80,9 @@ class MaskedLM(nn.Module):
         positions: jax.Array | None = None,
         segment_ids: jax.Array | None = None,
         train: bool = False,
-    ) -> jax.Array:
+        targets: jax.Array | None = None,
+        chunks: int = 1,
+    ) -> jax.Array | tuple[jax.Array, jax.Array]:
         cfg = self.config
         blk = cfg.block
         encoder = Encoder(cfg, name="encoder")
@@ -98,24 +105,29 @@ class MaskedLM(nn.Module):
         h = h.astype(blk.compute_dtype)
         if self.tie_embeddings:
             embedding = nn.unbox(encoder.variables["params"]["embedding"])  # [V, D]
-            logits = jnp.einsum(
-                "NPD,VD->NPV", h, embedding.astype(blk.compute_dtype), preferred_element_type=jnp.float32
-            ) * (1.0 / math.sqrt(dim))
+            kernel, spec, scale = embedding, "NPD,VD->NPV", 1.0 / math.sqrt(dim)
         else:
             kernel = self.param(
                 "output_kernel",
                 logical(nn.initializers.lecun_normal(), ("embed", "vocab")),
                 (dim, cfg.vocab_size), blk.params_dtype,
             )
-            logits = jnp.einsum(
-                "NPD,DV->NPV", h, jnp.asarray(kernel).astype(blk.compute_dtype), preferred_element_type=jnp.float32
-            )
+            kernel, spec, scale = jnp.asarray(kernel), "NPD,DV->NPV", 1.0
         bias = self.param(
             "output_bias", logical(nn.initializers.zeros_init(), ("vocab",)),
             (cfg.vocab_size,), blk.params_dtype,
         )
-        logits = logits + jnp.asarray(bias).astype(jnp.float32)[None, None, :]
-        logits = nn.with_logical_constraint(logits, ("batch", None, "act_vocab"))
+
+        def project(h: jax.Array) -> jax.Array:  # [N, P, D] -> float32 logits [N, P, V]
+            logits = jnp.einsum(spec, h, kernel.astype(blk.compute_dtype), preferred_element_type=jnp.float32)
+            if scale != 1.0:
+                logits = logits * scale
+            logits = logits + jnp.asarray(bias).astype(jnp.float32)[None, None, :]
+            return nn.with_logical_constraint(logits, ("batch", None, "act_vocab"))
+
+        if targets is not None:
+            return chunked_cross_entropy(project, h, targets, chunks)
+        logits = project(h)
         chex.assert_type(logits, jnp.float32)
         return logits
 
@@ -131,6 +143,40 @@ def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
     tests/jaxblock/test_mlm.py holds it to optax's values and gradients."""
     hit = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1) == targets[..., None]
     return jax.nn.logsumexp(logits, axis=-1) - jnp.sum(jnp.where(hit, logits, 0.0), axis=-1)
+
+
+def chunked_cross_entropy(
+    project: Callable[[jax.Array], jax.Array], h: jax.Array, targets: jax.Array, chunks: int
+) -> tuple[jax.Array, jax.Array]:
+    """(losses float32[N, P], predicted int32[N, P]): `cross_entropy(project(h), targets)` and the argmax of
+    `project(h)`, where `project` maps the head's features h [N, P, D] to float32 logits [N, P, V].
+
+    The logits are made for ceil(P / chunks) slots at a time (`lax.map` over the slot groups, the last one
+    padded) under `jax.checkpoint`: the backward pass makes each group's logits again from its features, so
+    the step keeps h, not the float32 [N, P, V] logits from the forward to the backward pass, and at most one
+    group's logits and their gradient exist at once. The price is the output projection's matmul once more
+    (N * P * D * V multiply-adds). chunks=1 is the same computation, one group, still remade."""
+    chex.assert_rank(h, 3)
+    chex.assert_shape(targets, h.shape[:2])
+    n, p, d = h.shape
+    if not 1 <= chunks <= p:
+        raise ValueError(f"chunks={chunks} must be in 1..P={p}")
+    size = -(-p // chunks)
+    pad = size * chunks - p
+    groups = jnp.pad(h, ((0, 0), (0, pad), (0, 0))).reshape(n, chunks, size, d).swapaxes(0, 1)  # [C, N, S, D]
+    group_targets = jnp.pad(targets, ((0, 0), (0, pad))).reshape(n, chunks, size).swapaxes(0, 1)  # [C, N, S]
+    groups = nn.with_logical_constraint(groups, (None, "batch", None, "act_embed"))
+    group_targets = nn.with_logical_constraint(group_targets, (None, "batch", None))
+
+    @jax.checkpoint
+    def group(args: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+        features, wanted = args
+        logits = project(features)
+        return cross_entropy(logits, wanted), jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    losses, predicted = jax.lax.map(group, (groups, group_targets))  # [C, N, S] each
+    return (losses.swapaxes(0, 1).reshape(n, chunks * size)[:, :p],
+            predicted.swapaxes(0, 1).reshape(n, chunks * size)[:, :p])
 
 
 def mlm_loss(logits: jax.Array, targets: jax.Array, weights: jax.Array) -> tuple[jax.Array, Metrics]:

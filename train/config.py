@@ -258,6 +258,11 @@ class MlmConfig(_Section):
     predictions_per_row: int | None = Field(
         None, gt=0, description="P: prediction slots per row; the masking chooses at most P tokens a row "
         "(whole words, lowest scores first). null: ceil(1.6 * rate * L) + 2, room for the spread around rate * L.")
+    loss_chunks: int = Field(
+        0, ge=0, description="0: the training step keeps the head's float32 logits [N, P, V] for its backward "
+        "pass. k >= 1: it makes them k groups of slots at a time and again in the backward pass "
+        "(jaxblock.mlm.chunked_cross_entropy): it keeps the head's [N, P, D] features instead, for one more "
+        "output-projection matmul. At most P.")
 
 
 class DiagnosticsConfig(_Section):

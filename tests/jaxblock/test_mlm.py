@@ -13,7 +13,7 @@ import optax
 import pytest
 
 from jaxblock import EncoderConfig
-from jaxblock.mlm import MaskedLM, cross_entropy, mlm_loss, select_positions
+from jaxblock.mlm import MaskedLM, chunked_cross_entropy, cross_entropy, mlm_loss, select_positions
 
 V, D, N, L = 50, 16, 3, 8
 
@@ -179,3 +179,46 @@ def test_cross_entropy_is_optaxs_and_its_gradient_writes_no_scatter() -> None:
                                grad(optax.softmax_cross_entropy_with_integer_labels)(logits), atol=1e-6)
     assert "scatter" in str(jax.make_jaxpr(grad(optax.softmax_cross_entropy_with_integer_labels))(logits))
     assert "scatter" not in str(jax.make_jaxpr(grad(cross_entropy))(logits))
+
+
+@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("chunks", [1, 2, 5])  # P = 5: one group, a padded last group, a slot a group
+def test_the_chunked_loss_is_the_logits_loss_and_keeps_no_logits_for_the_backward(tied: bool, chunks: int) -> None:
+    """With targets the head returns cross_entropy(logits) and argmax(logits), and their gradients, without
+    keeping the [N, P, V] logits for the backward pass (the vjp's residuals hold none; the logits path does)."""
+    model = MaskedLM(config(), tie_embeddings=tied)
+    params = init(model)
+    tokens, valid = batch()
+    positions, weights = select_positions(valid, 5)
+    targets = jnp.asarray(np.random.default_rng(2).integers(0, V, (N, 5)), jnp.int32)
+    slot_weights = weights.astype(jnp.float32) * jnp.arange(1.0, 6.0)[None, :]  # a different cotangent a slot
+
+    def through_logits(p: dict) -> tuple[jax.Array, jax.Array]:
+        logits = model.apply({"params": p}, tokens, valid, positions=positions)
+        return cross_entropy(logits, targets), jnp.argmax(logits, -1).astype(jnp.int32)
+
+    def chunked(p: dict) -> tuple[jax.Array, jax.Array]:
+        return model.apply({"params": p}, tokens, valid, positions=positions, targets=targets, chunks=chunks)
+
+    (ref_losses, ref_ids), (losses, ids) = jax.jit(through_logits)(params), jax.jit(chunked)(params)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(ids, ref_ids)
+
+    def grad(f):
+        return jax.jit(jax.grad(lambda p: jnp.sum(f(p)[0] * slot_weights)))(params)
+
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6),
+                 grad(chunked), grad(through_logits))
+
+    def kept(f) -> list[tuple[int, ...]]:  # the shapes a vjp keeps from the forward to the backward pass
+        _, backward = jax.vjp(lambda p: f(p)[0], params)
+        return [tuple(leaf.shape) for leaf in jax.tree.leaves(backward)]
+
+    assert (N, 5, V) in kept(through_logits)
+    assert not any(shape[-1:] == (V,) and len(shape) >= 3 for shape in kept(chunked))
+
+
+def test_chunked_cross_entropy_refuses_more_groups_than_slots() -> None:
+    h = jnp.zeros((2, 3, D))
+    with pytest.raises(ValueError, match=r"^chunks=4 must be in 1\.\.P=3$"):
+        chunked_cross_entropy(lambda x: x, h, jnp.zeros((2, 3), jnp.int32), 4)

@@ -31,7 +31,8 @@ class MaskedLMTask:
 
     Packed rows (segment_ids) attend within their example. Outputs of `apply`: {"logits": float32[N, P, V],
     "positions": int32[N, P], "weights": bool[N, P]}; `sums`/`loss` also take full logits float32[N, L, V]
-    (what the diagnostics' plain forward pass returns).
+    (what the diagnostics' plain forward pass returns). In training with mlm.loss_chunks the model computes the
+    loss itself: {"losses": float32[N, P], "predicted": int32[N, P], "targets": int32[N, P], "weights"}.
     """
 
     name = "mlm"
@@ -46,15 +47,15 @@ class MaskedLMTask:
     predicts_labels = False
 
     def __init__(self, *, rate: float = 0.15, tie_embeddings: bool = True, transform: bool = True,
-                 predictions_per_row: int | None = None):
+                 predictions_per_row: int | None = None, loss_chunks: int = 0):
         self.rate, self.tie_embeddings, self.transform = rate, tie_embeddings, transform
-        self.predictions_per_row = predictions_per_row
+        self.predictions_per_row, self.loss_chunks = predictions_per_row, loss_chunks
 
     @classmethod
     def from_config(cls, config: Config) -> MaskedLMTask:
         m = config.mlm
         return cls(rate=m.rate, tie_embeddings=m.tie_embeddings, transform=m.transform,
-                   predictions_per_row=m.predictions_per_row)
+                   predictions_per_row=m.predictions_per_row, loss_chunks=m.loss_chunks)
 
     def build_model(self, config: EncoderConfig) -> nn.Module:
         return MaskedLM(config, tie_embeddings=self.tie_embeddings, transform=self.transform)
@@ -93,11 +94,23 @@ class MaskedLMTask:
         rngs = {"dropout": rng} if rng is not None else None
         chosen = (batch["mlm_weights"] > 0) & batch["valid_tokens"]
         positions, weights = select_positions(chosen, self.predictions(chosen.shape[1]))  # [N, P]
+        if train and self.loss_chunks:  # the loss in the model, its logits remade in the backward pass
+            targets = jnp.take_along_axis(batch["mlm_targets"], positions, axis=1)  # [N, P]
+            losses, predicted = apply_fn({"params": params}, batch["tokens"], batch["valid_tokens"],
+                                         positions=positions, segment_ids=batch.get("segment_ids"), train=train,
+                                         targets=targets, chunks=self.loss_chunks,
+                                         rngs=rngs)
+            return {"losses": losses, "predicted": predicted, "targets": targets, "weights": weights}
         logits = apply_fn({"params": params}, batch["tokens"], batch["valid_tokens"], positions=positions,
                           segment_ids=batch.get("segment_ids"), train=train, rngs=rngs)  # [N, P, V]
         return {"logits": logits, "positions": positions, "weights": weights}
 
     def sums(self, outputs: Any, batch: Batch) -> Sums:
+        if isinstance(outputs, dict) and "losses" in outputs:  # mlm.loss_chunks: the model's own losses
+            weights = outputs["weights"]
+            return {"loss_sum": jnp.sum(jnp.where(weights, outputs["losses"], 0.0)),
+                    "correct": jnp.sum(jnp.where(weights, outputs["predicted"] == outputs["targets"], False)),
+                    "count": jnp.sum(weights)}
         if isinstance(outputs, dict):
             logits, weights = outputs["logits"], outputs["weights"]
             targets = jnp.take_along_axis(batch["mlm_targets"], outputs["positions"], axis=1)  # [N, P]
@@ -140,6 +153,10 @@ class MaskedLMTask:
         if config.model.init_from:
             raise ConfigError("model.init_from starts a fine-tuning run; a task=mlm run pretrains from scratch: "
                               "drop model.init_from")
+        slots = prediction_slots(config.mlm.rate, config.data.max_len, config.mlm.predictions_per_row)
+        if config.mlm.loss_chunks > slots:
+            raise ConfigError(f"mlm.loss_chunks={config.mlm.loss_chunks} is more groups than the head's {slots} "
+                              f"prediction slots a row: set it to at most {slots}")
 
     def load_data(self, config: Config, *, tokenizer_dir: Path | None, tokenizer: Tokenizer | None = None
                   ) -> CorpusData:
