@@ -180,15 +180,14 @@ def render(rows: list[Row], target: str, chip: str, usable: int, length: int) ->
                      f"{'-' if r.largest is None else r.largest} | {r.seconds:.0f} |")
     peer = {r.remat: r for r in rows if r.side == "peer"}
     ours = [r for r in rows if r.side != "peer"]
-    if "none" in peer and peer["none"].temporaries:
-        for r in ours:
-            base = peer["on"] if r.remat != "none" and "on" in peer else peer["none"]
-            if r.temporaries and base.temporaries:
-                # three decimals: a ratio beside a goal such as 0.5x must not round onto it
-                lines.append(f"- {r.side}, remat {r.remat}: {r.temporaries / base.temporaries:.3f}x the peer's "
-                             f"temporaries (remat {base.remat})"
-                             + (f"; {r.largest / base.largest:.3f}x its largest batch" if r.largest and base.largest
-                                else ""))
+    for r in ours:
+        base = peer.get("none" if r.remat == "none" else "on")  # the same policy on both sides, or no ratio
+        if base is not None and r.temporaries and base.temporaries:
+            # three decimals: a ratio beside a goal such as 0.5x must not round onto it
+            lines.append(f"- {r.side}, remat {r.remat}: {r.temporaries / base.temporaries:.3f}x the peer's "
+                         f"temporaries (remat {base.remat})"
+                         + (f"; {r.largest / base.largest:.3f}x its largest batch" if r.largest and base.largest
+                            else ""))
     return "\n".join(lines)
 
 

@@ -25,6 +25,17 @@ def test_the_table_gives_each_side_and_our_ratio_to_the_peer_with_the_same_remat
     assert "- ours (data=8), remat full: 0.432x the peer's temporaries (remat on)" in text
 
 
+def test_one_half_of_the_table_still_gives_its_ratios_and_never_across_policies() -> None:
+    """--remat on: the with-remat rows get their ratio without a no-remat peer row; a no-remat row of ours
+    with only the peer's checkpointing beside it gets none (the goals compare the same policy)."""
+    rows = [_row("peer", "on", 3_626_251_776, 146), _row("ours (data=8)", "full", 1_567_000_000, 443)]
+    text = compile_peer.render(rows, "v5e-8", "TPU v5 lite", int(15.75 * GiB), 512)
+    assert "- ours (data=8), remat full: 0.432x the peer's temporaries (remat on); 3.034x its largest batch" in text
+    lone = compile_peer.render([_row("peer", "on", 3_626_251_776), _row("ours (data=8)", "none", 4_996_225_536)],
+                               "v5e-8", "TPU v5 lite", int(15.75 * GiB), 512)
+    assert "x the peer's" not in lone
+
+
 def test_a_missing_peer_is_one_line_naming_its_install_and_exit_2(tmp_path: Path,
                                                                    capsys: pytest.CaptureFixture[str]) -> None:
     assert compile_peer.main(["--target", "v5e-8", "--peer-dir", str(tmp_path / "none")]) == 2
