@@ -205,6 +205,9 @@ def levers(result: Result) -> str:
         out.append("model.remat=full (recompute each block in the backward pass)")
     if "fsdp" not in result.mesh and result.target.chips > 1:
         out.append("--layout fsdp (parameters, gradients and optimizer state split over the chips)")
+    if result.model.startswith("mlm,") and "loss in" not in result.model:
+        out.append("mlm.loss_chunks=8 (the head's loss in groups of slots: its float32 logits not kept for the "
+                   "backward pass)")
     return ", ".join(out)
 
 

@@ -79,7 +79,8 @@ def describe_model(config: Config, task_name: str) -> str:
             f"{'' if block.kv_heads == block.num_heads else f' ({block.kv_heads} kv)'} of {block.head_dim}, "
             f"{block.dtype} compute, {block.param_dtype} params, vocabulary {model.vocab_size}"
             f"{'' if task_name == 'mlm' else f', {model.num_classes} classes'}"
-            f"{'' if model.remat == 'none' else f', remat {model.remat}'}")
+            f"{'' if model.remat == 'none' else f', remat {model.remat}'}"
+            f"{f', loss in {config.mlm.loss_chunks} groups' if task_name == 'mlm' and config.mlm.loss_chunks else ''}")
 
 
 def one_line_error(err: BaseException) -> str:

@@ -63,6 +63,24 @@ def test_a_state_no_chip_holds_exits_1_with_what_it_needs_and_the_levers(capsys)
     assert "RESOURCE_EXHAUSTED" in out  # the compiler's own refusal is quoted in the report
 
 
+def test_the_levers_name_the_loss_in_groups_for_a_masked_lm_that_keeps_its_logits() -> None:
+    from types import SimpleNamespace
+
+    from train.aot.compiled import levers
+    from train.aot.report import describe_model
+    from train.config import config_from_dict
+
+    def said(**mlm: int) -> str:
+        config = config_from_dict({"task": "mlm", "data": {"source": "generated_corpus"}, "mlm": mlm})
+        model = describe_model(config, "mlm")
+        return levers(SimpleNamespace(model=model, mesh="data=8", target=SimpleNamespace(chips=8)))  # type: ignore[arg-type]
+
+    assert "mlm.loss_chunks=8" in said()
+    assert "mlm.loss_chunks" not in said(loss_chunks=4)
+    assert describe_model(config_from_dict({"task": "mlm", "data": {"source": "generated_corpus"},
+                                            "mlm": {"loss_chunks": 4}}), "mlm").endswith(", loss in 4 groups")
+
+
 @pytest.mark.parametrize(("args", "says"), [
     (["--target", "v7x-8"], "not a TPU slice or GPU node set"),
     (["--target", "v4-7"], "counts 2 cores per chip"),
