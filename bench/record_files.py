@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import datetime
+import sys
 from pathlib import Path
 
 RECORDS = Path(__file__).resolve().parent / "records"
@@ -19,9 +21,6 @@ def free_name(stem: str, folder: Path = RECORDS) -> Path:
 def write_record(stem: str, title: str, command: str, argv: list[str] | None, text: str) -> Path:
     """bench/records/<stem>-<today>.md (free_name): the title, the command line that wrote it (`command` and
     `argv`, or this process's arguments), then `text`. Says where it went on stderr."""
-    import datetime
-    import sys
-
     out = free_name(f"{stem}-{datetime.date.today().isoformat()}")
     arguments = " ".join(argv if argv is not None else sys.argv[1:])
     out.write_text(f"# {title}\n\nWritten by `{command} {arguments}`.\n\n{text}\n")

@@ -94,34 +94,31 @@ class MaskedLMTask:
         rngs = {"dropout": rng} if rng is not None else None
         chosen = (batch["mlm_weights"] > 0) & batch["valid_tokens"]
         positions, weights = select_positions(chosen, self.predictions(chosen.shape[1]))  # [N, P]
+        inputs = (batch["tokens"], batch["valid_tokens"])
+        kw = {"positions": positions, "segment_ids": batch.get("segment_ids"), "train": train, "rngs": rngs}
         if train and self.loss_chunks:  # the loss in the model, its logits remade in the backward pass
             targets = jnp.take_along_axis(batch["mlm_targets"], positions, axis=1)  # [N, P]
-            losses, predicted = apply_fn({"params": params}, batch["tokens"], batch["valid_tokens"],
-                                         positions=positions, segment_ids=batch.get("segment_ids"), train=train,
-                                         targets=targets, chunks=self.loss_chunks,
-                                         rngs=rngs)
+            losses, predicted = apply_fn({"params": params}, *inputs, targets=targets, chunks=self.loss_chunks, **kw)
             return {"losses": losses, "predicted": predicted, "targets": targets, "weights": weights}
-        logits = apply_fn({"params": params}, batch["tokens"], batch["valid_tokens"], positions=positions,
-                          segment_ids=batch.get("segment_ids"), train=train, rngs=rngs)  # [N, P, V]
+        logits = apply_fn({"params": params}, *inputs, **kw)  # [N, P, V]
         return {"logits": logits, "positions": positions, "weights": weights}
 
     def sums(self, outputs: Any, batch: Batch) -> Sums:
         if isinstance(outputs, dict) and "losses" in outputs:  # mlm.loss_chunks: the model's own losses
+            losses, predicted, targets = outputs["losses"], outputs["predicted"], outputs["targets"]
             weights = outputs["weights"]
-            return {"loss_sum": jnp.sum(jnp.where(weights, outputs["losses"], 0.0)),
-                    "correct": jnp.sum(jnp.where(weights, outputs["predicted"] == outputs["targets"], False)),
-                    "count": jnp.sum(weights)}
-        if isinstance(outputs, dict):
-            logits, weights = outputs["logits"], outputs["weights"]
-            targets = jnp.take_along_axis(batch["mlm_targets"], outputs["positions"], axis=1)  # [N, P]
-        else:  # full logits [N, L, V]
-            logits, targets = outputs, batch["mlm_targets"]
-            weights = (batch["mlm_weights"] > 0) & batch["valid_tokens"]
-        chex.assert_rank(logits, 3)
-        losses = cross_entropy(logits, targets)
+        else:
+            if isinstance(outputs, dict):
+                logits, weights = outputs["logits"], outputs["weights"]
+                targets = jnp.take_along_axis(batch["mlm_targets"], outputs["positions"], axis=1)  # [N, P]
+            else:  # full logits [N, L, V]
+                logits, targets = outputs, batch["mlm_targets"]
+                weights = (batch["mlm_weights"] > 0) & batch["valid_tokens"]
+            chex.assert_rank(logits, 3)
+            losses, predicted = cross_entropy(logits, targets), jnp.argmax(logits, -1)
         # where, not multiply: a filler slot's non-finite loss must not reach the sum (0 * NaN = NaN).
         return {"loss_sum": jnp.sum(jnp.where(weights, losses, 0.0)),
-                "correct": jnp.sum(jnp.where(weights, jnp.argmax(logits, -1) == targets, False)),
+                "correct": jnp.sum(jnp.where(weights, predicted == targets, False)),
                 "count": jnp.sum(weights)}
 
     def metrics(self, sums: Sums) -> dict[str, Any]:
