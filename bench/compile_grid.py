@@ -1,6 +1,7 @@
 """The compile table: configs x targets x layouts through `python -m train compile`, written as a record.
 
-    python -m bench.compile_grid                                    # every config, the six targets, every layout
+    python -m bench.compile_grid                                    # every config, the six targets, its own layout
+    python -m bench.compile_grid --layouts all                      # ... every layout
     python -m bench.compile_grid --configs bert_base_mlm_l128 --targets v5e-8,h100-8 --layouts dp,fsdp
     python -m bench.compile_grid --configs tiny --targets v5e-256 train.batch_size=256   # key=value: every cell
     python -m bench.compile_grid --layouts all --targets v5e-8 --layers 3     # each config cut to its first 3 layers

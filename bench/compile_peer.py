@@ -15,7 +15,7 @@ every chip, XLA's attention, dropout 0.1; remat is its `gradient_checkpointing`.
 Ours is `--config` (default configs/bert_base_mlm_l512.yaml) in its own layout and in the other of data
 parallel and FSDP: the
 same shapes (BERT-base, vocabulary 30522, L 512), bfloat16 compute, float32 parameters, splash attention on a
-TPU and cuDNN on a GPU, logits only at the chosen positions (the config's mlm.predictions_per_row slots a row);
+TPU and JAX's Pallas GPU kernel (packed rows) on a GPU, logits only at the chosen positions (the config's mlm.predictions_per_row slots a row);
 remat is model.remat=full (and dots). --remat none or on compiles one half of the table. Both steps
 are compiled for the same target (train/aot/targets.py) and reported per chip: arguments, temporaries, the
 compiler's peak, whether it fits; with --fit, the largest per-chip batch that fits for each (train/aot/fit.py's

@@ -39,7 +39,7 @@ _GPUS = {"h100": ("h100_sxm", 8), "h200": ("h200", 8), "a100": ("a100_sxm_80", 8
 GPU_MEMORY_FRACTION = 0.75  # JAX's default share of a GPU's memory for XLA (XLA_PYTHON_CLIENT_MEM_FRACTION)
 INSTALL = {"tpu": "pip install -e '.[tpu]' (libtpu, about 700 MB)",
            "cuda": "pip install -e '.[gpu-compile]' in a venv of its own (the CUDA plugin, cuDNN and cuBLAS, "
-                   "about 3 GB; docs/accelerators.md)"}
+                   "about 2.5 GB; docs/accelerators.md)"}
 
 
 @dataclasses.dataclass(frozen=True)
