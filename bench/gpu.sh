@@ -40,12 +40,22 @@ fi
 REV=$(git rev-parse --short HEAD 2>/dev/null || echo 'a copy of the tree')
 if ! git diff --quiet HEAD 2>/dev/null; then REV="$REV with uncommitted changes"; fi
 mkdir -p "$(dirname "$RECORD")"
+# A JAX outside the project's pinned range still runs, but its figures are not the project's: say so.
+OFFPIN=$("$PY" -c "
+import importlib.metadata as md, jax
+from packaging.requirements import Requirement
+pins = [Requirement(r) for r in (md.requires('jaxblock') or [])]
+off = [str(r) for r in pins if r.name == 'jax' and not r.specifier.contains(jax.__version__)]
+print(f'jax {jax.__version__} is outside the project\'s {off[0]} (pip install -e .[cuda12])' if off else '')
+" 2>/dev/null || true)
+if [ -n "$OFFPIN" ]; then echo "bench/gpu.sh: warning: $OFFPIN" >&2; fi
 {
   echo "# ${GPU:-GPU}, measured $(date +%F) on $REV"
   echo
   echo "Machine: $(nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,driver_version --format=csv,noheader 2>/dev/null | head -1)."
   echo "Versions: $("$PY" -c "import sys, jax, jaxlib, flax, optax; print('python', sys.version.split()[0], 'jax', jax.__version__, 'jaxlib', jaxlib.__version__, 'flax', flax.__version__, 'optax', optax.__version__)")."
   echo "Written by \`bench/gpu.sh $*\` (PEAK_TFLOPS=$PEAK, SECTIONS=$SECTIONS): python -m bench.kernel_parity, then python -m bench."
+  if [ -n "$OFFPIN" ]; then echo "Warning: $OFFPIN."; fi
   echo
   echo '```'
 } > "$RECORD"
