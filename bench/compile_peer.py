@@ -12,14 +12,14 @@ logits at every position over the full vocabulary, in float32, softmax cross-ent
 mask, AdamW; parameters and optimizer state float32 and replicated, compute bfloat16, the batch split over
 every chip, XLA's attention, dropout 0.1; remat is its `gradient_checkpointing`.
 
-Ours is `--config` (default configs/bert_base_mlm_l512.yaml) in its own layout and in the other of data
-parallel and FSDP: the
-same shapes (BERT-base, vocabulary 30522, L 512), bfloat16 compute, float32 parameters, splash attention on a
-TPU and JAX's Pallas GPU kernel (packed rows) on a GPU, logits only at the chosen positions (the config's mlm.predictions_per_row slots a row);
-remat is model.remat=full (and dots). --remat none or on compiles one half of the table. Both steps
-are compiled for the same target (train/aot/targets.py) and reported per chip: arguments, temporaries, the
-compiler's peak, whether it fits; with --fit, the largest per-chip batch that fits for each (train/aot/fit.py's
-search, one compile per probe). The table goes to stdout and, with --record, to bench/records/.
+Ours is `--config` (default configs/bert_base_mlm_l512.yaml) in its own layout and in the other of data parallel
+and FSDP: the same shapes (BERT-base, vocabulary 30522, L 512), bfloat16 compute, float32 parameters, splash
+attention on a TPU and JAX's Pallas GPU kernel (packed rows) on a GPU, logits only at the chosen positions (the
+config's mlm.predictions_per_row slots a row); remat is model.remat=full (and dots). --remat none or on compiles
+one half of the table. Both steps are compiled for the same target (train/aot/targets.py) and reported per chip:
+arguments, temporaries, the compiler's peak, whether it fits; with --fit, the largest per-chip batch that fits for
+each (train/aot/fit.py's search, one compile per probe). The table goes to stdout and, with --record, to
+bench/records/.
 Exit codes: 0 done, 2 bad usage or the peer not installed (one line).
 """
 
