@@ -164,7 +164,16 @@ def _residuals_at_the_kernel(call: Callable[..., jax.Array]) -> Callable[..., ja
     libtpu 0.0.42.1 with a failed check in its memory-space assignment for BERT-base at L 128, v5e-8); a
     second one, over the residuals and the output's gradient, keeps the backward from widening them to 128
     lanes again ahead of time (without it a data-parallel step widened several layers' at once, at the top of
-    the backward pass). Both shown by libtpu's compiler for v5e-8 on a CPU host, not run on a chip."""
+    the backward pass).
+
+    q, k, v and the output are [.., Lp, K]: with a head width K that is not a multiple of the TPU's 128 lanes
+    (BERT's 64) each row of K fills a 128-lane row, so the kernel's layout holds them in twice their bytes. The
+    forward keeps them for the backward as [.., Lp * K / 128, 128] copies (`_Dense`), which fill every lane, and
+    the backward makes the kernel's layout again from those (after its barrier, which keeps the compiler from
+    folding a copy back into the array it was made from). The copies stay out of the forward's barrier: made
+    there, they kept the TPU compiler from recomputing on its own near the chip's limit (BERT-base at L 512,
+    FSDP without remat: 167 rows a chip no longer fit). All shown by libtpu's compiler for v5e-8 on a CPU host,
+    not run on a chip."""
 
     @jax.custom_vjp
     def attend(q: jax.Array, k: jax.Array, v: jax.Array, q_ids: jax.Array, kv_ids: jax.Array) -> jax.Array:
@@ -176,18 +185,46 @@ def _residuals_at_the_kernel(call: Callable[..., jax.Array]) -> Callable[..., ja
         out, backward = jax.vjp(call, q, k, v, q_ids, kv_ids)
         leaves, tree = jax.tree.flatten(backward)
         lse = [i for i, x in enumerate(leaves) if x.dtype == jnp.float32 and x.shape == q.shape[:-1]]
+        narrow = [i for i, x in enumerate(leaves) if any(x is y for y in (q, k, v, out))
+                  and x.shape[-1] % LANES and x.shape[-2] * x.shape[-1] % LANES == 0]
+        dense = [_Dense.pack(leaves[i]) for i in narrow]  # not in the barrier: see the docstring
         out, kept = jax.lax.optimization_barrier((out, [leaves[i] for i in lse]))
-        for i, x in zip(lse, kept, strict=True):
+        for i, x in zip(lse + narrow, kept + dense, strict=True):
             leaves[i] = x
         return out, jax.tree.unflatten(tree, leaves)
 
     def backward(saved: Any, d_out: jax.Array) -> tuple[jax.Array | None, ...]:
-        # And the backward widens the log-sum-exp to 128 lanes again only once this layer's gradient exists.
+        # And the backward widens the log-sum-exp to 128 lanes again only once this layer's gradient exists, and
+        # unpacks the _Dense copies only after it.
         saved, d_out = jax.lax.optimization_barrier((saved, d_out))
+        saved = jax.tree.map(lambda x: x.unpack() if isinstance(x, _Dense) else x, saved,
+                             is_leaf=lambda x: isinstance(x, _Dense))
         return (*saved(d_out)[:3], None, None)  # no cotangent for the segment ids
 
     attend.defvjp(forward, backward)
     return attend
+
+
+@jax.tree_util.register_pytree_node_class
+class _Dense:
+    """An array [.., Lp, K] kept as [.., Lp * K / 128, 128] (every TPU lane used), and its width K."""
+
+    def __init__(self, packed: jax.Array, width: int):
+        self.packed, self.width = packed, width
+
+    @classmethod
+    def pack(cls, x: jax.Array) -> _Dense:
+        return cls(x.reshape(*x.shape[:-2], -1, LANES), x.shape[-1])
+
+    def unpack(self) -> jax.Array:
+        return self.packed.reshape(*self.packed.shape[:-2], -1, self.width)
+
+    def tree_flatten(self) -> tuple[tuple[jax.Array], int]:
+        return (self.packed,), self.width
+
+    @classmethod
+    def tree_unflatten(cls, width: int, children: tuple[jax.Array]) -> _Dense:
+        return cls(children[0], width)
 
 
 def _sharded(run: Callable[..., jax.Array], q: jax.Array, k: jax.Array, v: jax.Array,

@@ -196,6 +196,20 @@ def test_splash_forward_makes_its_backwards_residuals_next_to_the_kernel() -> No
     assert [leaf.shape for leaf in jax.tree.leaves(backward)] == [(3,)]
 
 
+def test_splash_keeps_narrow_heads_lane_dense_for_its_backward() -> None:
+    """q, k, v and the output with a head width under the TPU's 128 lanes (BERT's 64) go from the forward to the
+    backward as [.., Lp * K / 128, 128] copies, not in the kernel's [.., Lp, K] layout (twice their bytes on a
+    TPU); the gradients are splash's own (tests above: equal to the dense kernel's)."""
+    n, length, h, kdim = 2, 128, 2, 64
+    q, k, v = (jax.random.normal(jax.random.key(i), (n, length, h, kdim)) for i in range(3))
+    valid = jnp.arange(length)[None, :] < jnp.array([[100], [128]])
+    attend = functools.partial(splash_attention, valid_tokens=valid, causal=False)
+    kept = [leaf.shape for leaf in jax.tree.leaves(jax.vjp(attend, q, k, v)[1])]
+    dense = [shape for shape in kept if shape[-2:] == (length * kdim // 128, 128)]
+    assert len(dense) == 4, kept  # q, k, v and the output
+    assert not any(shape[-2:] == (length, kdim) for shape in kept), kept
+
+
 # --- through the model ---------------------------------------------------------------------------------
 
 V, L = 40, 24
