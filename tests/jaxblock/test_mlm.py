@@ -182,7 +182,7 @@ def test_cross_entropy_is_optaxs_and_its_gradient_writes_no_scatter() -> None:
     assert "scatter" not in str(jax.make_jaxpr(grad(cross_entropy))(logits))
 
 
-@pytest.mark.parametrize(("tied", "chunks"), [(True, 1), (True, 2), (False, 5)])  # P = 5: one group, a padded
+@pytest.mark.parametrize(("tied", "chunks"), [(True, 1), (True, 2), (False, 5)])  # P = 5 slots
 def test_the_chunked_loss_is_the_logits_loss_and_keeps_no_logits_for_the_backward(tied: bool, chunks: int) -> None:
     """With targets the head returns cross_entropy(logits) and argmax(logits), and their gradients, without
     keeping the [N, P, V] logits for the backward pass (the vjp's residuals hold none; the logits path's do).
