@@ -290,15 +290,16 @@ def _main(argv: list[str], whole_process: bool) -> int:
         from train import platforms
 
         name = next((name for name, fn in COMMANDS.items() if fn is command), "train")
-        if name == "compile":  # a crash in the compiler's native code is one line (train/aot/isolate.py)
+        if name in platforms.AHEAD_OF_TIME:  # a native crash or refusal is one line (train/aot/isolate.py)
             from train.aot import isolate
 
             if not isolate.is_child():
-                return isolate.run([sys.executable, "-m", "train", "compile", *argv], json_out="--json" in argv)
+                return isolate.run([sys.executable, "-m", "train", name, *argv], json_out="--json" in argv,
+                                   doing="compiling" if name == "compile" else "lowering")
             isolate.child_setup()
         platforms.choose(name)
         if name in platforms.AHEAD_OF_TIME:
-            platforms.start_jax()
+            platforms.start_jax(filtered=False)  # the parent passes native lines on, filtered (isolate.run)
     _quiet_libraries()
     from train.interrupts import RESUMABLE, run_interruptible
 

@@ -98,9 +98,11 @@ def passed_on(native: str) -> str:
     return "\n".join(line for line in native.splitlines() if not _NATIVE_NOISE.match(line))
 
 
-def start_jax() -> None:
-    """Import JAX and start its backends with the plugins' expected start-up lines held back."""
-    with native_stderr_filtered():
+def start_jax(*, filtered: bool = True) -> None:
+    """Import JAX and start its backends with the plugins' expected start-up lines held back (filtered=False:
+    fd 2 is left as it is, for a process whose fd 2 another process reads and filters, train/aot/isolate.py:
+    a native library that exits at start-up, e.g. on a flag it does not know, then still has its line read)."""
+    with native_stderr_filtered() if filtered else contextlib.nullcontext():
         import jax
 
         jax.devices()
