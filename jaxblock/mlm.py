@@ -118,6 +118,8 @@ class MaskedLM(nn.Module):
             (cfg.vocab_size,), blk.params_dtype,
         )
 
+        # The kernel is cast inside `project`, which the chunked loss makes again in its backward pass: cast once
+        # outside, the compute-dtype table would stay live from the forward pass through the backward loop.
         def project(h: jax.Array) -> jax.Array:  # [N, P, D] -> float32 logits [N, P, V]
             logits = jnp.einsum(spec, h, kernel.astype(blk.compute_dtype), preferred_element_type=jnp.float32)
             if scale != 1.0:
