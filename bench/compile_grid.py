@@ -169,7 +169,8 @@ def row(cell: Cell) -> str:
     collectives = ", ".join(f"{k} {v}" for k, v in train["collectives"].items() if v) or "none"
     compiled = "yes" if all(c["compiled"] for c in r["calls"]) else "refused"
     fits = "yes" if r["fits"] else "**no**"
-    return (f"| {cell.config} | {cell.target} | {r['mesh']} | {compiled} | {_gib(per['arguments'])} / "
+    # The layout's name with its mesh: on 4 chips dp+fsdp+tp is dp+tp's mesh (data=2 tensor=2), a cell of its own
+    return (f"| {cell.config} | {cell.target} | {cell.layout}: {r['mesh']} | {compiled} | {_gib(per['arguments'])} / "
             f"{_gib(per['temporaries'])} / {_gib(per['total'])} of {_gib(per['usable'])} | {fits} | "
             f"{_kernels(r)} | {collectives} | {cell.seconds:.0f} |")
 
@@ -196,7 +197,7 @@ def markdown(cells: list[Cell], seconds: float, arguments: tuple[str, ...] = (),
         + (f" Not compiled yet: {missing} cells of this grid (--kept-only; run the command without it to go on)."
            if missing else ""),
         "",
-        "| config | target | mesh | compiled | GiB per chip | fits | kernels | collectives (train) | s |",
+        "| config | target | layout: mesh | compiled | GiB per chip | fits | kernels | collectives (train) | s |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
         *[row(c) for c in cells],
         "",

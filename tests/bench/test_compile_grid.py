@@ -36,8 +36,8 @@ def test_a_cell_runs_train_compile_with_its_layout_and_overrides_and_makes_one_r
                            "--layout", "fsdp", "train.batch_size=256"]
     assert cell.code == 1 and cell.problem == "a promised kernel is missing"
     assert compile_grid.row(cell) == (
-        "| tiny | v5e-256 | data=8 | yes | 1.00 / 2.00 / 3.00 of 15.75 | yes | train splash 1/2; eval splash 1/1 | "
-        "all-reduce 2 | 0 |")
+        "| tiny | v5e-256 | fsdp: data=8 | yes | 1.00 / 2.00 / 3.00 of 15.75 | yes | "
+        "train splash 1/2; eval splash 1/1 | all-reduce 2 | 0 |")
 
 
 def test_a_compiler_crash_is_a_row_that_says_so(monkeypatch: Any) -> None:
@@ -96,7 +96,7 @@ def test_cells_file_keeps_each_cell_and_a_second_run_compiles_only_the_rest(monk
     assert compile_grid.main(argv) == 0
     assert compiled == [("tiny", "v5e-8"), ("tiny", "v6e-8"), ("tiny", "v6e-8")]  # v5e-8 not compiled again
     text = out.read_text()
-    assert "| tiny | v5e-8 | data=8 |" in text and "| tiny | v6e-8 | data=8 |" in text
+    assert "| tiny | v5e-8 | config: data=8 |" in text and "| tiny | v6e-8 | config: data=8 |" in text
     assert "1 cells from an earlier run's --cells file" in text
     assert f"Written by `python -m bench.compile_grid {' '.join(argv)}`." in text  # the command, to run again
     assert len(cells.read_text().splitlines()) == 2
@@ -114,7 +114,7 @@ def test_kept_only_writes_the_table_of_the_cells_so_far_and_compiles_nothing(mon
     argv = ["--configs", "tiny", "--targets", "v5e-8,v6e-8", "--cells", str(cells), "--out", str(out), "--kept-only"]
     assert compile_grid.main(argv) == 1  # a cell of the grid is not there yet
     text = out.read_text()
-    assert "| tiny | v5e-8 | data=8 |" in text and "| tiny | v6e-8 |" not in text
+    assert "| tiny | v5e-8 | config: data=8 |" in text and "| tiny | v6e-8 |" not in text
     assert "Not compiled yet: 1 cells of this grid" in text
     assert compile_grid.main(["--configs", "tiny", "--kept-only"]) == 2
     assert "pass --cells FILE" in capsys.readouterr().err
