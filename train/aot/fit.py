@@ -7,7 +7,8 @@ batches, each probe one compile judged by the compiler's peak memory against the
 compiler gives its figure also for a program it refuses, so after two probes the search aims at where the line
 crosses the usable memory, then checks that batch and the next one: the answer is exact, usually in 3-5
 compiles where doubling and bisecting took ~10 (a BERT-base step compiles in minutes on a CPU host). Where the
-line misleads it, it bisects the bracket it has. The table gives, per policy, the largest per-chip batch, its
+line misleads it, as near the chip's limit where the compiler recomputes to fit and the peaks sit against the
+limit, it bisects the bracket it has. The table gives, per policy, the largest per-chip batch, its
 global batch, its peak memory and FLOPs per chip where the compiler counts them. Each probe prints one line on
 stderr as it ends.
 """
@@ -120,10 +121,13 @@ def _largest(probe: Any, start: int, usable: Any = None) -> int:
     `usable()` gives the chip's usable bytes (known after the first probe). Once two probes have the
     compiler's peak, the next trial is where the line through them reaches it, kept inside the bracket; with
     fewer, or when two aimed trials running have not halved the bracket (three while none failed), it
-    doubles, halves or bisects, so a peak far from a line costs at most about three times bisection's."""
+    doubles, halves or bisects, so a peak far from a line costs at most about three times bisection's.
+    Near the chip's limit the compiler recomputes to fit, and the peaks either side of the edge sit against
+    the limit, off any line: a line that says a batch that failed fits, or a second batch fitting past the
+    line's edge (after the one check of the batch next to it), makes the next trial a bisection."""
     low, high = 0, LIMIT + 1  # the largest n known to fit, the smallest known not to
     seen: dict[int, Probe] = {}
-    trial, aimed, before = min(max(start, 1), LIMIT), 0, LIMIT + 1
+    trial, aimed, before, checked = min(max(start, 1), LIMIT), 0, LIMIT + 1, False
     while True:
         seen[trial] = probe(trial)
         low, high = (trial, high) if seen[trial].fits else (low, trial)
@@ -131,6 +135,12 @@ def _largest(probe: Any, start: int, usable: Any = None) -> int:
             return low
         guess = _aim(seen, usable() if usable else None)
         poor = aimed >= 3 or (aimed >= 2 and high <= LIMIT and 2 * (high - low) > before)
+        if guess is not None and guess >= high <= LIMIT:
+            guess = None  # the line says a batch that failed fits: peaks squeezed against the limit, no line
+        elif guess is not None and guess <= low and not poor:
+            # The line's edge is where the last batch fitted: check the next batch once. Another fit past the
+            # line is the compiler recomputing to fit near the limit, where no line holds: bisect from here.
+            guess, checked = (None if checked else low + 1), True
         if guess is not None and not poor:
             if not aimed:
                 before = high - low
