@@ -135,7 +135,7 @@ def _largest(probe: Any, start: int, usable: Any = None) -> int:
             return low
         guess = _aim(seen, usable() if usable else None)
         poor = aimed >= 3 or (aimed >= 2 and high <= LIMIT and 2 * (high - low) > before)
-        if guess is not None and guess >= high <= LIMIT:
+        if guess is not None and high <= LIMIT and guess >= high:
             guess = None  # the line says a batch that failed fits: peaks squeezed against the limit, no line
         elif guess is not None and guess <= low and not poor:
             # The line's edge is where the last batch fitted: check the next batch once. Another fit past the

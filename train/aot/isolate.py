@@ -29,6 +29,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -59,10 +60,9 @@ def child_setup() -> None:
     os.close(fd)
 
 
-def unknown_flag(native: str, env: dict[str, str] | None = None) -> str | None:
+def unknown_flag(native: str, env: Mapping[str, str] = os.environ) -> str | None:
     """The one-line error for a flag a native library refused at start-up, from what it wrote to fd 2; None if
     it wrote no such line."""
-    env = dict(os.environ) if env is None else env
     for line in native.splitlines():
         if match := _XLA_UNKNOWN.search(line):
             return (f"error: XLA_FLAGS holds a flag this jaxlib does not know ({match.group(1).strip()}): "
@@ -70,8 +70,7 @@ def unknown_flag(native: str, env: dict[str, str] | None = None) -> str | None:
         if match := _ABSL_UNKNOWN.search(line):
             flag = match.group(1)
             where = "LIBTPU_INIT_ARGS" if flag in env.get("LIBTPU_INIT_ARGS", "") else "a flag variable"
-            return (f"error: {where} holds a flag this libtpu does not know "
-                    f"(--{flag}): correct or remove it")
+            return f"error: {where} holds a flag this libtpu does not know (--{flag}): correct or remove it"
     return None
 
 
