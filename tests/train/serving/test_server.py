@@ -361,6 +361,39 @@ def test_during_the_warm_up_the_port_is_held_and_a_signal_ends_serve_as_training
     assert not any(line.startswith(("compiled in", "SIGTERM", "stopped:")) for line in err), err
 
 
+def test_a_signal_in_the_warm_ups_last_moment_still_ends_it_as_an_interrupted_start_up():
+    """The signal and the end of the last compile reach the event loop in one turn (the loop was busy while
+    both happened): the warm-up still counts as interrupted, and nothing is served or drained. Before the
+    server yielded once after the warm-up, it went on to serve and the signal then drained it (exit 0)."""
+    from train.interrupts import Interrupted
+    from train.serving.server import run_server
+
+    artifact = FakeArtifact()
+    said: list[str] = []
+    halted: list[bool] = []
+
+    async def warm(stop: threading.Event) -> None:
+        ended = threading.Event()
+
+        def last_compile() -> None:
+            os.kill(os.getpid(), signal.SIGTERM)
+            ended.set()
+
+        job = asyncio.get_running_loop().run_in_executor(None, last_compile)
+        ended.wait(10)  # the loop held, as by a busy turn, until the signal is sent and the job returns
+        await job
+        halted.append(stop.is_set())
+
+    async def serve() -> int:
+        return await run_server(ArtifactEngine(artifact, _batcher(artifact)), host="127.0.0.1", port=free_port(),
+                                limits=Limits(), warm=warm, say=said.append)
+
+    with pytest.raises(Interrupted):
+        asyncio.run(serve())
+    assert halted == [False]  # the handler had not run when the warm-up returned: the case this test is for
+    assert not any(line.startswith(("SIGTERM", "stopped:")) for line in said), said
+
+
 def test_exported_may_name_the_workdir_that_holds_the_export(monkeypatch, tmp_path, capsys):
     """`serve --exported runs/sentiment` serves runs/sentiment/exported, where `export --workdir` writes."""
     from train.__main__ import main
