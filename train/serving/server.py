@@ -127,8 +127,8 @@ async def run_server(engine: Engine, *, host: str, port: int, limits: Limits, dr
         try:
             if warm is not None:
                 await warm(halt_warm_up)
-                # A signal that came while the last compile ran is read from the loop's wake-up pipe in the same
-                # turn that resumed us, and its handler queued behind us: yield once so that it runs first.
+                # A signal sent while the last compile ran can be read from the loop's wake-up pipe in the turn
+                # that completes the warm-up, its handler queued behind our resumption: yield once so it runs first.
                 await asyncio.sleep(0)
             if halt_warm_up.is_set():
                 raise Interrupted(signals[0])
