@@ -1,7 +1,7 @@
 """The compile table: configs x targets x layouts through `python -m train compile`, written as a record.
 
     python -m bench.compile_grid                                    # every config, the six targets, its own layout
-    python -m bench.compile_grid --layouts all                      # ... every layout
+    python -m bench.compile_grid --layouts all                      # ... its own and every named layout
     python -m bench.compile_grid --configs bert_base_mlm_l128 --targets v5e-8,h100-8 --layouts dp,fsdp
     python -m bench.compile_grid --configs tiny --targets v5e-256 train.batch_size=256   # key=value: every cell
     python -m bench.compile_grid --layouts all --targets v5e-8 --layers 3     # each config cut to its first 3 layers
@@ -19,6 +19,10 @@ cells not in it (same config, target, layout and overrides): a grid of hundreds 
 small host, runs in pieces and survives an interrupted run; the table is written from every cell of the grid.
 `--kept-only` compiles nothing and writes the table of the cells the file holds so far (exit 1 while some of
 the grid's cells are not there yet).
+
+`--layouts all` is each config's own layout (`config`: its `parallel` section and mesh as written) and then
+every named layout of train/aot/shapes.py: the cells the slow test tests/train/aot/test_compile_every_config.py
+compiles.
 
 `--layers N` compiles each config with its first N layers (`model.num_layers=N` and each per-layer list of
 `model.layers` cut to its first N entries): every layer kind, kernel and layout of the full model, at a
@@ -211,7 +215,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.compile_grid", description=__doc__.split("\n")[0])
     p.add_argument("--configs", default="", help="comma-separated config names of configs/ (default: every one)")
     p.add_argument("--targets", default=",".join(TARGETS), help=f"comma-separated (default {','.join(TARGETS)})")
-    p.add_argument("--layouts", default="config", help="comma-separated layouts, or 'all' (default: each config's own)")
+    p.add_argument("--layouts", default="config",
+                   help="comma-separated layouts (config: each config's own), or 'all': its own and every named one "
+                        "(default: config)")
     p.add_argument("--gpu-python", default=str(GPU_PYTHON), help="the GPU compiler venv's python")
     p.add_argument("--layers", type=int, default=0, metavar="N",
                    help="compile each config with its first N layers only (default: every layer)")
@@ -228,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if exit_.code == 0 else 2
     every = {c.stem: c for c in sorted((ROOT / "configs").glob("*.yaml"))}
     names = [n for n in args.configs.split(",") if n] or list(every)
-    layouts = list(LAYOUTS) if args.layouts == "all" else [n for n in args.layouts.split(",") if n]
+    layouts = ["config", *LAYOUTS] if args.layouts == "all" else [n for n in args.layouts.split(",") if n]
     unknown = [n for n in names if n not in every] + [n for n in layouts if n != "config" and n not in LAYOUTS]
     if unknown:
         print(f"python -m bench.compile_grid: unknown config or layout {unknown[0]!r}", file=sys.stderr)

@@ -56,6 +56,30 @@ def test_an_unknown_config_is_one_line_exit_2(capsys: pytest.CaptureFixture[str]
     assert "unknown config or layout 'nope'" in capsys.readouterr().err
 
 
+def test_layouts_all_is_the_configs_own_and_every_named_one_the_cells_the_slow_test_compiles(
+    monkeypatch: Any, tmp_path: Path
+) -> None:
+    from train.aot.shapes import LAYOUTS
+
+    compiled: list[str] = []
+
+    def fake_cell(config: Path, target: str, layout: str, python: str, timeout: int,
+                  overrides: tuple[str, ...] = ()) -> compile_grid.Cell:
+        compiled.append(layout)
+        return compile_grid.Cell(config.stem, target, layout, 0, REPORT, "", 1.0, overrides)
+
+    monkeypatch.setattr(compile_grid, "run_cell", fake_cell)
+    argv = ["--configs", "tiny", "--targets", "v5e-8", "--layouts", "all", "--out", str(tmp_path / "grid.md")]
+    assert compile_grid.main(argv) == 0
+    assert compiled == ["config", *LAYOUTS]
+    from tests.train.aot.test_compile_every_config import (
+        test_every_config_on_every_layout_compiles_to_one_answer as slow,
+    )
+
+    marks = [m for m in slow.pytestmark if m.name == "parametrize" and m.args[0] == "layout"]  # type: ignore[attr-defined]
+    assert list(marks[0].args[1]) == compiled  # the slow test's layouts, in its order
+
+
 def test_layers_cuts_the_depth_and_every_per_layer_list_and_the_config_still_loads() -> None:
     from train.config import load_config
 
