@@ -133,6 +133,13 @@ def run_cell(
     return Cell(config.stem, target, layout, proc.returncode, report, problem, seconds, overrides)
 
 
+def every_layout() -> list[str]:
+    """`--layouts all`: each config's own layout, then every named one (the slow every-config test's list)."""
+    from train.aot.shapes import LAYOUTS
+
+    return ["config", *LAYOUTS]
+
+
 def depth_overrides(config: Path, layers: int) -> tuple[str, ...]:
     """The overrides that cut `config` to its first `layers` layers: none when it has no more than that, or when
     its depth is not in the file (a pretrained encoder's comes from its checkpoint)."""
@@ -234,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if exit_.code == 0 else 2
     every = {c.stem: c for c in sorted((ROOT / "configs").glob("*.yaml"))}
     names = [n for n in args.configs.split(",") if n] or list(every)
-    layouts = ["config", *LAYOUTS] if args.layouts == "all" else [n for n in args.layouts.split(",") if n]
+    layouts = every_layout() if args.layouts == "all" else [n for n in args.layouts.split(",") if n]
     unknown = [n for n in names if n not in every] + [n for n in layouts if n != "config" and n not in LAYOUTS]
     if unknown:
         print(f"python -m bench.compile_grid: unknown config or layout {unknown[0]!r}", file=sys.stderr)

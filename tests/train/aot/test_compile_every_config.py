@@ -19,14 +19,13 @@ import pytest
 
 from bench import compile_grid
 from tests.conftest import ROOT
-from train.aot.shapes import LAYOUTS
 
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
 TARGETS = ("v5e-8", "v5p-8", "v6e-8", "h100-8")
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["config", *LAYOUTS])
+@pytest.mark.parametrize("layout", compile_grid.every_layout())
 @pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize("config", CONFIGS, ids=[c.stem for c in CONFIGS])
 def test_every_config_on_every_layout_compiles_to_one_answer(config: Path, target: str, layout: str,
