@@ -53,11 +53,12 @@ def run(parallel: dict[str, Any], out: Path | None) -> dict[str, Any]:
 
     from jaxblock import Classifier
     from train.checkpoints.store import Checkpoints
+    from train.devices import hosts
     from train.devices import runners as par
     from train.loop.state import abstract_init, create_state, init_params
 
     config = tiny_config(parallel)
-    par.initialize_distributed(config.parallel)
+    hosts.initialize_distributed(config.parallel)
     model = Classifier(config.model)
 
     def make_state() -> Any:
@@ -83,7 +84,7 @@ def run(parallel: dict[str, Any], out: Path | None) -> dict[str, Any]:
         ckpts.save(runner.unreplicate(state), {"seed": 0, "label_names": ["even", "odd"]})
         ckpts.wait()
         ckpts.close()
-        if par.is_primary():
+        if hosts.is_primary():
             (out / "result.json").write_text(json.dumps(result))
     return {**result, "runner": runner, "state": state, "config": config, "share_of": share, "make_state": make_state}
 
