@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxblock import masks
+from jaxblock.attention.platform import mesh_layout
 from jaxblock.block import TOKENS, EncoderBlock
 from jaxblock.config import EncoderConfig, StackConfig
 from jaxblock.ffn import gelu_exact
@@ -135,7 +136,15 @@ class Encoder(nn.Module):
         )
         # A padded id outside [0, V) looks up id 0 (not NaN), so the lookup and its gradient stay finite.
         in_range = (tokens >= 0) & (tokens < cfg.vocab_size)
-        x = jnp.take(embed, jnp.where(valid_tokens | in_range, tokens, 0), axis=0).astype(jnp.float32)  # [N, L, D]
+        table = embed
+        layout = mesh_layout()
+        if layout is not None and layout.embed:
+            # FSDP: looked up from the table gathered on its model axis, as every weight is used, instead of the
+            # looked-up rows coming out split on it and being resharded (an all-to-all each way). Only then: the
+            # constraint also reduces the table's gradient where it stands, which on a replicated table is an
+            # early all-reduce of its own.
+            table = nn.with_logical_constraint(embed, ("vocab", "act_embed"))
+        x = jnp.take(table, jnp.where(valid_tokens | in_range, tokens, 0), axis=0).astype(jnp.float32)  # [N, L, D]
         if cfg.embedding.type_vocab_size:
             types = self.param(
                 "type_embedding",
@@ -246,6 +255,8 @@ class Classifier(nn.Module):
             pooled = segment_mean(h, valid_tokens, segment_ids, num_segments)  # [N, S, D]
         else:
             pooled = pool_tokens(cfg.pooler.pooling, h, valid_tokens)  # [N, D]
+        # Rows split, the model axis whole, as the encoder's output is: under FSDP the head's weights are gathered.
+        pooled = nn.with_logical_constraint(pooled, ("batch", *(None,) * (pooled.ndim - 2), "act_embed"))
         if cfg.pooler.has_dense:
             pooled = nn.Dense(
                 cfg.block.model_dim,

@@ -54,13 +54,15 @@ def for_platform(name: str) -> Iterator[str]:
 
 @dataclasses.dataclass(frozen=True)
 class MeshLayout:
-    """The ambient mesh and the mesh axes of each logical axis of q [N, L, H, K] (None: not sharded)."""
+    """The ambient mesh, the mesh axes of each logical axis of q [N, L, H, K] and those of the parameters' model
+    axis `embed` (FSDP's), each () where that axis is not split."""
 
     mesh: Any  # jax.sharding.AbstractMesh
     batch: tuple[str, ...]
     length: tuple[str, ...]
     heads: tuple[str, ...]
     kv_heads: tuple[str, ...]
+    embed: tuple[str, ...] = ()
 
     def size(self, axes: tuple[str, ...]) -> int:
         return math.prod(self.mesh.shape[a] for a in axes)
@@ -84,4 +86,4 @@ def mesh_layout() -> MeshLayout | None:
         names = () if entry is None else entry if isinstance(entry, tuple) else (entry,)
         return tuple(a for a in names if a in mesh.shape and mesh.shape[a] > 1)
 
-    return MeshLayout(mesh, axes("batch"), axes("length"), axes("heads"), axes("kv_heads"))
+    return MeshLayout(mesh, axes("batch"), axes("length"), axes("heads"), axes("kv_heads"), axes("embed"))

@@ -17,6 +17,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxblock import Classifier
+from train.aot.programs import collectives
 from train.config import Config, ConfigError, config_from_dict
 from train.devices.hosts import initialize_distributed, is_primary
 from train.devices.runners import ShardedRunner, make_runner, mesh_shape
@@ -188,6 +189,20 @@ def test_fsdp_shards_params_and_optimizer_state_as_the_rules_say() -> None:
     whole = sum(x.nbytes for x in arrays if x.sharding.is_fully_replicated)
     assert on_device0 == whole + (total - whole) // 8
     assert total / on_device0 > 7, total / on_device0
+
+
+def test_fsdp_step_gathers_the_weights_and_moves_no_activations() -> None:
+    """Under FSDP the compiled step gathers every weight where it is used, the embedding table included, and
+    reduces their gradients: no all-to-all and no collective-permute, which would mean activations resharded
+    (the table's lookup once sent the looked-up rows to their rows' devices, an all-to-all each way)."""
+    got = run("fsdp8", "sgd")
+    runner, state = got["runner"], got["state"]
+    batch = runner.place_batch(make_batch(0))
+    for step in (runner._train.lower(state, batch, runner._place_key(jax.random.key(7))),
+                 runner._eval.lower(state, batch)):
+        counts = collectives(step.compile().as_text())
+        assert counts["all-gather"] > 0, counts
+        assert counts["all-to-all"] == 0 and counts["collective-permute"] == 0, counts
 
 
 def test_tensor_parallel_splits_heads_and_ffn_width() -> None:
